@@ -1,0 +1,284 @@
+"""Topology planner: spec -> Plan. Pure: no I/O, no clock, no randomness.
+
+An *instance* is one complete connector world: A = DP x TP Attention ranks (world ranks
+0..A-1) and F FFN ranks (world ranks A..A+F-1). The plan lists, per instance, every pod
+with the ranks and devices it holds, its DP start rank, whether it is the Attention head,
+its full command line, environment, ports and the AFD runtime config it is started with.
+
+Endpoints are DNS names of pods behind the instance's headless Service, so the plan can
+be wired before any pod IP exists. With host networking, instances that share a node
+must not share ports: instance i uses base + i*stride for every port. Pods of one
+instance and role use the same ports; since they are declared as host ports, the
+scheduler never puts two of them on one node.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal, Optional
+
+from . import naming
+from .api import AFDDeploymentSpec
+from .revision import revision_of
+
+Role = Literal["attention", "ffn"]
+
+PLUGIN_NAME = "afd_shared_experts"
+FFN_SERVER_MODULE = "afd_shared_experts.ffn_server"
+RUNTIME_CONFIG_DIR = "/etc/afd"
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    """How one role's ranks are packed into pods."""
+
+    ranks: int
+    pods: int
+    ranks_per_pod: int
+
+    def ranks_of(self, ordinal: int) -> tuple[int, int]:
+        """(first role rank, rank count) of pod `ordinal`."""
+        start = ordinal * self.ranks_per_pod
+        return start, min(self.ranks_per_pod, self.ranks - start)
+
+
+def attention_layout(spec: AFDDeploymentSpec) -> RoleLayout:
+    ranks = spec.attention.data_parallel * spec.attention.tensor_parallel
+    per_pod = min(spec.attention.devices_per_pod, ranks)
+    return RoleLayout(ranks=ranks, pods=math.ceil(ranks / per_pod), ranks_per_pod=per_pod)
+
+
+def ffn_layout(spec: AFDDeploymentSpec) -> RoleLayout:
+    ranks = spec.ffn.ranks
+    per_pod = min(spec.ffn.devices_per_pod, ranks)
+    return RoleLayout(ranks=ranks, pods=math.ceil(ranks / per_pod), ranks_per_pod=per_pod)
+
+
+def topology_string(spec: AFDDeploymentSpec) -> str:
+    a = spec.attention
+    return f"DP{a.data_parallel}xTP{a.tensor_parallel}+EP{spec.ffn.ranks}"
+
+
+def uses_host_network(spec: AFDDeploymentSpec) -> bool:
+    return spec.platform == "ascend" and spec.ascend.host_network
+
+
+def port_offset(spec: AFDDeploymentSpec, index: int) -> int:
+    return index * spec.ascend.host_port_stride if uses_host_network(spec) else 0
+
+
+@dataclass(frozen=True)
+class InstancePorts:
+    """Ports of one instance: Attention ports on the head, FFN ports on every FFN pod."""
+
+    api: int
+    dp_rpc: int
+    connector: int
+    ffn_metrics: int
+    ffn_health: int
+
+
+def instance_ports(spec: AFDDeploymentSpec, index: int) -> InstancePorts:
+    off = port_offset(spec, index)
+    return InstancePorts(
+        api=spec.service.port + off,
+        dp_rpc=spec.attention.data_parallel_rpc_port + off,
+        connector=spec.connector.port + off,
+        ffn_metrics=spec.metrics.port + off,
+        ffn_health=spec.ffn.health_port + off,
+    )
+
+
+@dataclass(frozen=True)
+class PodPlan:
+    role: Role
+    ordinal: int
+    name: str
+    rank_start: int  # first role rank held (Attention: (dp*pcp+pcp_rank)*tp+tp_rank)
+    ranks: int  # role ranks held; equals the devices requested on device platforms
+    world_rank_start: int  # first rank in the AFD connector world
+    head: bool
+    dp_start_rank: Optional[int]  # Attention only
+    dp_local: Optional[int]  # Attention only
+    command: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]  # literal env the runtime needs, in order
+    ports: tuple[tuple[str, int], ...]  # (name, containerPort)
+    afd_config: dict[str, Any] = field(hash=False, compare=True)
+
+
+@dataclass(frozen=True)
+class InstancePlan:
+    index: int
+    name: str  # also the headless Service name
+    head_host: str  # DNS name of the Attention head: connector host and DP address
+    ports: InstancePorts
+    pods: tuple[PodPlan, ...]
+
+    def pods_of(self, role: Role) -> tuple[PodPlan, ...]:
+        return tuple(p for p in self.pods if p.role == role)
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    namespace: str
+    revision: str
+    topology: str
+    attention: RoleLayout
+    ffn: RoleLayout
+    instances: tuple[InstancePlan, ...]
+
+    @property
+    def pods_per_instance(self) -> int:
+        return self.attention.pods + self.ffn.pods
+
+
+def afd_config(spec: AFDDeploymentSpec, role: Role, host: str, port: int) -> dict[str, Any]:
+    """The `afd` block of vLLM's --additional-config (afd-plugin key spellings)."""
+    extra = {"attn_ranks_per_dp": spec.attention.tensor_parallel, **spec.connector.extra_config}
+    block: dict[str, Any] = {
+        "role": role,
+        "connector": spec.connector.name,
+        "async": True,
+        "host": host,
+        "port": port,
+        "num_attention_ranks": spec.attention.data_parallel * spec.attention.tensor_parallel,
+        "num_ffn_ranks": spec.ffn.ranks,
+        "compute_gate_on_attention": True,
+        "connector_extra_config": extra,
+        "shared_experts": {
+            "placement": spec.shared_experts.placement,
+            "partition": spec.shared_experts.partition,
+        },
+    }
+    return block
+
+
+def _additional_config(block: dict[str, Any]) -> str:
+    return json.dumps({"afd": block}, sort_keys=True, separators=(",", ":"))
+
+
+def _model_args(spec: AFDDeploymentSpec) -> list[str]:
+    m = spec.model
+    args = ["--max-num-batched-tokens", str(m.max_num_batched_tokens), "--dtype", m.dtype]
+    if m.max_model_len is not None:
+        args += ["--max-model-len", str(m.max_model_len)]
+    if m.quantization is not None:
+        args += ["--quantization", m.quantization]
+    return args
+
+
+def _common_env(spec: AFDDeploymentSpec, role: Role) -> list[tuple[str, str]]:
+    plugins = f"ascend,{PLUGIN_NAME}" if spec.platform == "ascend" else PLUGIN_NAME
+    env = [("VLLM_PLUGINS", plugins)]
+    if spec.platform == "ascend":
+        asc = spec.ascend
+        if asc.socket_interface:
+            env += [
+                ("HCCL_SOCKET_IFNAME", asc.socket_interface),
+                ("GLOO_SOCKET_IFNAME", asc.socket_interface),
+                ("TP_SOCKET_IFNAME", asc.socket_interface),
+            ]
+        buffer_mb = asc.hccl_buffer_size_mb.attention if role == "attention" else asc.hccl_buffer_size_mb.ffn
+        if buffer_mb is not None:
+            env.append(("HCCL_BUFFSIZE", str(buffer_mb)))
+        env += [
+            ("HCCL_OP_EXPANSION_MODE", "AIV"),
+            ("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True"),
+        ]
+    else:
+        # vLLM's CPU backend binds OpenMP threads per NUMA node and asserts with DP > 1.
+        env.append(("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
+    return env
+
+
+def _attention_pod(
+    spec: AFDDeploymentSpec, plan_name: str, revision: str, index: int, ordinal: int,
+    layout: RoleLayout, head_host: str, ports: InstancePorts,
+) -> PodPlan:
+    att = spec.attention
+    rank_start, ranks = layout.ranks_of(ordinal)
+    dp_local = ranks // att.tensor_parallel
+    dp_start = rank_start // att.tensor_parallel
+    head = ordinal == 0
+    block = afd_config(spec, "attention", head_host, ports.connector)
+    command = [
+        "vllm", "serve", spec.model.path,
+        "--served-model-name", spec.model.name,
+        "--tensor-parallel-size", str(att.tensor_parallel),
+        "--data-parallel-size", str(att.data_parallel),
+        "--data-parallel-size-local", str(dp_local),
+        "--data-parallel-address", head_host,
+        "--data-parallel-rpc-port", str(ports.dp_rpc),
+    ]
+    if head:
+        command += ["--host", "0.0.0.0", "--port", str(ports.api)]
+    else:
+        command += ["--headless", "--data-parallel-start-rank", str(dp_start)]
+    command += _model_args(spec)
+    command += ["--additional-config", _additional_config(block)]
+    command += list(att.engine_args)
+    pod_ports = [("api", ports.api), ("dp-rpc", ports.dp_rpc), ("connector", ports.connector)] if head else []
+    return PodPlan(
+        role="attention", ordinal=ordinal,
+        name=naming.pod_name(plan_name, revision, index, "attention", ordinal),
+        rank_start=rank_start, ranks=ranks, world_rank_start=rank_start, head=head,
+        dp_start_rank=dp_start, dp_local=dp_local, command=tuple(command),
+        env=tuple(_common_env(spec, "attention")), ports=tuple(pod_ports), afd_config=block,
+    )
+
+
+def _ffn_pod(
+    spec: AFDDeploymentSpec, plan_name: str, revision: str, index: int, ordinal: int,
+    layout: RoleLayout, attention_ranks: int, head_host: str, ports: InstancePorts,
+) -> PodPlan:
+    rank_start, ranks = layout.ranks_of(ordinal)
+    metrics_port, health_port = ports.ffn_metrics, ports.ffn_health
+    block = afd_config(spec, "ffn", head_host, ports.connector)
+    command = [
+        "python3", "-m", FFN_SERVER_MODULE,
+        "--model", spec.model.path,
+        "--ffn-rank-start", str(rank_start),
+        "--ffn-local-ranks", str(ranks),
+        "--health-port", str(health_port),
+    ]
+    pod_ports = [("health", health_port)]
+    if spec.metrics.enabled:
+        command += ["--metrics-port", str(metrics_port)]
+        pod_ports.append(("metrics", metrics_port))
+    command += [*_model_args(spec), "--additional-config", _additional_config(block)]
+    return PodPlan(
+        role="ffn", ordinal=ordinal,
+        name=naming.pod_name(plan_name, revision, index, "ffn", ordinal),
+        rank_start=rank_start, ranks=ranks, world_rank_start=attention_ranks + rank_start, head=False,
+        dp_start_rank=None, dp_local=None, command=tuple(command),
+        env=tuple(_common_env(spec, "ffn")),
+        ports=tuple(pod_ports), afd_config=block,
+    )
+
+
+def plan_instance(spec: AFDDeploymentSpec, name: str, namespace: str, revision: str, index: int) -> InstancePlan:
+    att, ffn = attention_layout(spec), ffn_layout(spec)
+    inst = naming.instance_name(name, revision, index)
+    head_pod = naming.pod_name(name, revision, index, "attention", 0)
+    head_host = naming.pod_dns_name(head_pod, inst, namespace, spec.cluster_domain)
+    ports = instance_ports(spec, index)
+    # FFN pods first: with startup order FFNFirst they are created first.
+    pods = [_ffn_pod(spec, name, revision, index, k, ffn, att.ranks, head_host, ports) for k in range(ffn.pods)]
+    pods += [_attention_pod(spec, name, revision, index, k, att, head_host, ports) for k in range(att.pods)]
+    return InstancePlan(index=index, name=inst, head_host=head_host, ports=ports, pods=tuple(pods))
+
+
+def plan(
+    spec: AFDDeploymentSpec, name: str, namespace: str, indices: Optional[Iterable[int]] = None
+) -> Plan:
+    """Plan instances `indices` (default 0..replicas-1) of a validated spec."""
+    revision = revision_of(spec)
+    wanted = range(spec.replicas) if indices is None else sorted(set(indices))
+    return Plan(
+        name=name, namespace=namespace, revision=revision, topology=topology_string(spec),
+        attention=attention_layout(spec), ffn=ffn_layout(spec),
+        instances=tuple(plan_instance(spec, name, namespace, revision, i) for i in wanted),
+    )

@@ -1,0 +1,367 @@
+"""Renderer: (spec, plan) -> Kubernetes objects. Pure: no I/O.
+
+The operator manages Pods directly (not StatefulSets/LWS) so that an instance is created,
+ordered, recreated and rolled as one unit. Objects per deployment: a ConfigMap per
+revision (the instance-shaping spec snapshot, so old-revision instances can be recreated
+during a partitioned rollout), a headless Service per instance (stable pod DNS for the
+connector rendezvous), the OpenAI API Service (serving Attention heads only), a
+PodDisruptionBudget, a Volcano PodGroup per instance when gang scheduling is on, a
+PodMonitor when asked, and one Pod per planned pod.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any, Optional
+
+from . import naming
+from .api import API_VERSION, KIND, AFDDeploymentSpec, EnvVar, PodTemplateOverrides
+from .planner import RUNTIME_CONFIG_DIR, InstancePlan, Plan, PodPlan, uses_host_network
+from .revision import shaping_spec
+from .validation import resolve_int_or_percent
+
+Obj = dict[str, Any]
+
+PROBE_PERIOD_SECONDS = 10
+# Lets kube-proxy drop a deleted head from the API Service before vLLM gets SIGTERM.
+PRESTOP_ENDPOINT_GRACE_SECONDS = 5
+HCCN_CONF = "/etc/hccn.conf"
+_LABEL_VALUE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def owner_reference(name: str, uid: str) -> Obj:
+    return {
+        "apiVersion": API_VERSION, "kind": KIND, "name": name, "uid": uid,
+        "controller": True, "blockOwnerDeletion": True,
+    }
+
+
+def _meta(name: str, namespace: str, labels: dict[str, str], owner: Optional[Obj],
+          annotations: Optional[dict[str, str]] = None) -> Obj:
+    meta: Obj = {"name": name, "namespace": namespace, "labels": dict(labels)}
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    if owner is not None:
+        meta["ownerReferences"] = [owner]
+    return meta
+
+
+def image_version_label(image: str) -> Optional[str]:
+    """app.kubernetes.io/version from the image tag, when there is a usable one."""
+    ref = image.split("@", 1)[0]
+    last = ref.rsplit("/", 1)[-1]
+    if ":" not in last:
+        return None
+    tag = _LABEL_VALUE.sub("-", last.split(":", 1)[1])[:63].strip("-._")
+    return tag or None
+
+
+def _env(plan_env: tuple[tuple[str, str], ...], spec: AFDDeploymentSpec, pod: PodPlan,
+         revision: str, instance: InstancePlan, user: list[EnvVar]) -> list[Obj]:
+    def field(path: str) -> Obj:
+        return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    env: list[Obj] = [
+        {"name": "POD_NAME", **field("metadata.name")},
+        {"name": "POD_NAMESPACE", **field("metadata.namespace")},
+        {"name": "POD_IP", **field("status.podIP")},
+    ]
+    if spec.platform == "ascend":
+        env.append({"name": "HCCL_IF_IP", **field("status.podIP")})
+    env += [
+        {"name": "AFD_INSTANCE", "value": instance.name},
+        {"name": "AFD_ROLE", "value": pod.role},
+        {"name": "AFD_REVISION", "value": revision},
+    ]
+    env += [{"name": k, "value": v} for k, v in plan_env]
+    # User variables win over the operator's defaults of the same name.
+    overridden = {u.name for u in user}
+    env = [e for e in env if e["name"] not in overridden]
+    env += [u.model_dump(by_alias=True, exclude_none=True) for u in user]
+    return env
+
+
+def _resources(spec: AFDDeploymentSpec, pod: PodPlan, overrides: PodTemplateOverrides) -> Obj:
+    requests: dict[str, Any] = dict((overrides.resources or {}).get("requests", {}))
+    limits: dict[str, Any] = dict((overrides.resources or {}).get("limits", {}))
+    if spec.platform == "ascend":
+        # Extended resources must have requests == limits.
+        requests[spec.ascend.resource_name] = pod.ranks
+        limits[spec.ascend.resource_name] = pod.ranks
+    out: Obj = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _volumes(spec: AFDDeploymentSpec, revision_cm: str, overrides: PodTemplateOverrides) -> tuple[list[Obj], list[Obj]]:
+    shm: Obj = {"medium": "Memory"}
+    if spec.platform == "ascend":
+        shm["sizeLimit"] = spec.ascend.shm_size
+    volumes: list[Obj] = [
+        {"name": "dshm", "emptyDir": shm},
+        {"name": "afd-runtime", "configMap": {"name": revision_cm}},
+    ]
+    mounts: list[Obj] = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "afd-runtime", "mountPath": RUNTIME_CONFIG_DIR, "readOnly": True},
+    ]
+    vol = spec.model.volume
+    if vol is not None:
+        source = (
+            {"persistentVolumeClaim": {"claimName": vol.claim_name, "readOnly": True}}
+            if vol.claim_name is not None
+            else {"hostPath": {"path": vol.host_path, "type": "Directory"}}
+        )
+        volumes.append({"name": "model", **source})
+        mounts.append({"name": "model", "mountPath": vol.mount_path, "readOnly": True})
+    if spec.platform == "ascend":
+        for i, path in enumerate(spec.ascend.driver_host_paths):
+            volumes.append({"name": f"ascend-host-{i}", "hostPath": {"path": path}})
+            mounts.append({"name": f"ascend-host-{i}", "mountPath": path, "readOnly": True})
+        if spec.ascend.mount_hccn_conf:
+            volumes.append({"name": "hccn-conf", "hostPath": {"path": HCCN_CONF, "type": "File"}})
+            mounts.append({"name": "hccn-conf", "mountPath": HCCN_CONF, "readOnly": True})
+    volumes += [dict(v) for v in overrides.volumes]
+    mounts += [dict(m) for m in overrides.volume_mounts]
+    return volumes, mounts
+
+
+def _http_probe(path: str, port: str, period: int, failures: int) -> Obj:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 5,
+    }
+
+
+def _probes(spec: AFDDeploymentSpec, pod: PodPlan) -> Obj:
+    # The startup probe covers model loading up to startup.timeoutSeconds; afterwards the
+    # liveness probe takes over. Headless Attention pods serve no HTTP: their engines are
+    # supervised through the head's /health.
+    startup_failures = max(1, math.ceil(spec.startup.timeout_seconds / PROBE_PERIOD_SECONDS))
+    if pod.role == "attention" and pod.head:
+        return {
+            "startupProbe": _http_probe("/health", "api", PROBE_PERIOD_SECONDS, startup_failures),
+            "readinessProbe": _http_probe("/health", "api", 5, 3),
+            "livenessProbe": _http_probe("/health", "api", PROBE_PERIOD_SECONDS, 6),
+        }
+    if pod.role == "ffn":
+        return {
+            "startupProbe": _http_probe("/health", "health", PROBE_PERIOD_SECONDS, startup_failures),
+            "readinessProbe": _http_probe("/ready", "health", 5, 3),
+            "livenessProbe": _http_probe("/health", "health", PROBE_PERIOD_SECONDS, 6),
+        }
+    return {}
+
+
+def _merge_labels(*parts: dict[str, str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for p in parts:
+        out.update(p)
+    return out
+
+
+def render_pod(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, pod: PodPlan,
+               owner: Optional[Obj] = None) -> Obj:
+    role_spec = spec.attention if pod.role == "attention" else spec.ffn
+    overrides = role_spec.pod_template
+    host_net = uses_host_network(spec)
+    labels = _merge_labels(
+        overrides.labels,
+        naming.base_labels(plan.name, pod.role),
+        naming.instance_labels(plan.name, plan.revision, instance.index),
+        {naming.LABEL_ROLE: pod.role, naming.LABEL_POD_ORDINAL: str(pod.ordinal),
+         naming.LABEL_HEAD: "true" if pod.head else "false"},
+    )
+    version = image_version_label(spec.image)
+    if version:
+        labels[naming.LABEL_VERSION] = version
+    annotations = dict(overrides.annotations)
+    if spec.scheduling.gang.provider == "volcano":
+        annotations["scheduling.k8s.io/group-name"] = instance.name
+    volumes, mounts = _volumes(spec, naming.runtime_configmap_name(plan.name, plan.revision), overrides)
+    ports = []
+    for port_name, number in pod.ports:
+        entry: Obj = {"name": port_name, "containerPort": number, "protocol": "TCP"}
+        if host_net:
+            entry["hostPort"] = number
+        ports.append(entry)
+    container: Obj = {
+        "name": pod.role,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": list(pod.command),
+        "env": _env(pod.env, spec, pod, plan.revision, instance, role_spec.env),
+        "ports": ports,
+        "resources": _resources(spec, pod, overrides),
+        "volumeMounts": mounts,
+        "securityContext": {"allowPrivilegeEscalation": False},
+        **_probes(spec, pod),
+    }
+    if pod.head:
+        grace = min(PRESTOP_ENDPOINT_GRACE_SECONDS, spec.termination.grace_period_seconds)
+        container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(grace)]}}}
+    pod_spec: Obj = {
+        "hostname": pod.name,
+        "subdomain": instance.name,
+        # A rank that exits cannot rejoin its connector world: the pod fails and the
+        # operator recreates the whole instance instead of the kubelet restarting one rank.
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": spec.termination.grace_period_seconds,
+        "enableServiceLinks": False,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if host_net:
+        pod_spec["hostNetwork"] = True
+        pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
+    if spec.scheduling.gang.provider == "volcano":
+        pod_spec["schedulerName"] = "volcano"
+    if spec.scheduling.priority_class_name:
+        pod_spec["priorityClassName"] = spec.scheduling.priority_class_name
+    if overrides.node_selector:
+        pod_spec["nodeSelector"] = dict(overrides.node_selector)
+    if overrides.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in overrides.tolerations]
+    if overrides.affinity:
+        pod_spec["affinity"] = dict(overrides.affinity)
+    if overrides.topology_spread_constraints:
+        pod_spec["topologySpreadConstraints"] = [dict(t) for t in overrides.topology_spread_constraints]
+    if overrides.service_account_name:
+        pod_spec["serviceAccountName"] = overrides.service_account_name
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": _meta(pod.name, plan.namespace, labels, owner, annotations),
+        "spec": pod_spec,
+    }
+
+
+def render_instance_service(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan,
+                            owner: Optional[Obj] = None) -> Obj:
+    labels = _merge_labels(naming.base_labels(plan.name, "instance"),
+                           naming.instance_labels(plan.name, plan.revision, instance.index))
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _meta(instance.name, plan.namespace, labels, owner),
+        "spec": {
+            "clusterIP": "None",
+            # Ranks rendezvous before they are Ready: their DNS names must resolve early.
+            "publishNotReadyAddresses": True,
+            "selector": {naming.LABEL_AFD_INSTANCE: instance.name},
+            "ports": [{"name": "connector", "port": instance.ports.connector, "protocol": "TCP"}],
+        },
+    }
+
+
+def render_api_service(spec: AFDDeploymentSpec, plan: Plan, owner: Optional[Obj] = None) -> Obj:
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _meta(naming.api_service_name(plan.name), plan.namespace,
+                          naming.base_labels(plan.name, "api"), owner),
+        "spec": {
+            "type": spec.service.type,
+            "selector": {
+                naming.LABEL_DEPLOYMENT: plan.name,
+                naming.LABEL_ROLE: "attention",
+                naming.LABEL_HEAD: "true",
+                naming.LABEL_SERVING: "true",
+            },
+            # Named target port: under host networking every instance's head has its own port.
+            "ports": [{"name": "http", "port": spec.service.port, "targetPort": "api", "protocol": "TCP"}],
+        },
+    }
+
+
+def render_runtime_configmap(spec: AFDDeploymentSpec, plan: Plan, owner: Optional[Obj] = None) -> Obj:
+    labels = _merge_labels(naming.base_labels(plan.name, "runtime-config"), {naming.LABEL_REVISION: plan.revision})
+    summary = {
+        "revision": plan.revision,
+        "topology": plan.topology,
+        "attentionRanks": plan.attention.ranks,
+        "attentionPods": plan.attention.pods,
+        "ffnRanks": plan.ffn.ranks,
+        "ffnPods": plan.ffn.pods,
+    }
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": _meta(naming.runtime_configmap_name(plan.name, plan.revision), plan.namespace, labels, owner),
+        "data": {
+            "spec.json": json.dumps(shaping_spec(spec), sort_keys=True),
+            "plan.json": json.dumps(summary, sort_keys=True),
+        },
+    }
+
+
+def render_pdb(spec: AFDDeploymentSpec, plan: Plan, owner: Optional[Obj] = None) -> Obj:
+    # Losing any pod loses its whole instance, so allowing N pod disruptions keeps at most N
+    # instances down: the budget of updateStrategy.maxUnavailable, but at least one so that
+    # node drains are never blocked forever.
+    allowed = max(1, resolve_int_or_percent(spec.update_strategy.max_unavailable, max(spec.replicas, 1),
+                                            round_up=False))
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": _meta(naming.pdb_name(plan.name), plan.namespace, naming.base_labels(plan.name, "pdb"), owner),
+        "spec": {"maxUnavailable": allowed, "selector": {"matchLabels": naming.selector_labels(plan.name)}},
+    }
+
+
+def render_pod_group(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, owner: Optional[Obj] = None) -> Obj:
+    labels = _merge_labels(naming.base_labels(plan.name, "instance"),
+                           naming.instance_labels(plan.name, plan.revision, instance.index))
+    group_spec: Obj = {"minMember": len(instance.pods)}
+    if spec.scheduling.gang.queue:
+        group_spec["queue"] = spec.scheduling.gang.queue
+    if spec.scheduling.priority_class_name:
+        group_spec["priorityClassName"] = spec.scheduling.priority_class_name
+    return {
+        "apiVersion": "scheduling.volcano.sh/v1beta1", "kind": "PodGroup",
+        "metadata": _meta(instance.name, plan.namespace, labels, owner),
+        "spec": group_spec,
+    }
+
+
+def render_pod_monitor(spec: AFDDeploymentSpec, plan: Plan, owner: Optional[Obj] = None) -> Obj:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+        "metadata": _meta(naming.pod_monitor_name(plan.name), plan.namespace,
+                          naming.base_labels(plan.name, "metrics"), owner),
+        "spec": {
+            "selector": {"matchLabels": naming.selector_labels(plan.name)},
+            "podMetricsEndpoints": [{"port": "api", "path": "/metrics"}, {"port": "metrics", "path": "/metrics"}],
+        },
+    }
+
+
+def render_instance(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, owner: Optional[Obj] = None) -> list[Obj]:
+    """Objects of one instance: headless Service, PodGroup (gang) and its pods (FFN first)."""
+    objs = [render_instance_service(spec, plan, instance, owner)]
+    if spec.scheduling.gang.provider == "volcano":
+        objs.append(render_pod_group(spec, plan, instance, owner))
+    objs += [render_pod(spec, plan, instance, pod, owner) for pod in instance.pods]
+    return objs
+
+
+def render_shared(spec: AFDDeploymentSpec, plan: Plan, owner: Optional[Obj] = None) -> list[Obj]:
+    """Objects shared by all instances of the plan's revision."""
+    objs = [render_runtime_configmap(spec, plan, owner), render_api_service(spec, plan, owner),
+            render_pdb(spec, plan, owner)]
+    if spec.metrics.enabled and spec.metrics.pod_monitor:
+        objs.append(render_pod_monitor(spec, plan, owner))
+    return objs
+
+
+def render(spec: AFDDeploymentSpec, plan: Plan, owner_uid: Optional[str] = None) -> list[Obj]:
+    """Every object of a deployment at the plan's revision, in a stable order."""
+    owner = owner_reference(plan.name, owner_uid) if owner_uid else None
+    objs = render_shared(spec, plan, owner)
+    for instance in plan.instances:
+        objs += render_instance(spec, plan, instance, owner)
+    return objs

@@ -1,0 +1,275 @@
+"""Validation of AFDDeployment objects: every problem at once, each with its field path.
+
+Schema rules come from the pydantic models; cross-field rules (which a Kubernetes 1.20
+CRD cannot express without CEL) live here and are shared by `afdctl validate`, the
+admission webhook and the operator's ConfigValid condition.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from pydantic import ValidationError
+
+from . import naming
+from .api import AFDDeployment, AFDDeploymentSpec, EnvVar
+from .planner import attention_layout, ffn_layout, instance_ports, uses_host_network
+from .revision import REVISION_LENGTH
+
+PORT_MAX = 65535
+MAX_INDEX_DIGITS = 4  # names are checked for instance indices up to 9999
+_DNS_1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+# Engine flags the operator derives from the spec; setting them by hand would break a world.
+OPERATOR_OWNED_FLAGS = {
+    "--tensor-parallel-size": "attention.tensorParallel",
+    "-tp": "attention.tensorParallel",
+    "--data-parallel-size": "attention.dataParallel",
+    "-dp": "attention.dataParallel",
+    "--data-parallel-size-local": "attention.dataParallel",
+    "--data-parallel-start-rank": "attention.dataParallel",
+    "--data-parallel-address": "connector",
+    "--data-parallel-rpc-port": "attention.dataParallelRpcPort",
+    "--headless": "the pod layout",
+    "--port": "service.port",
+    "--host": "the pod layout",
+    "--served-model-name": "model.name",
+    "--model": "model.path",
+    "--additional-config": "connector and sharedExperts",
+    "--max-num-batched-tokens": "model.maxNumBatchedTokens",
+    "--max-model-len": "model.maxModelLen",
+    "--dtype": "model.dtype",
+    "--quantization": "model.quantization",
+}
+
+
+@dataclass(frozen=True, order=True)
+class Problem:
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class InvalidSpec(ValueError):
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("; ".join(str(p) for p in problems))
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part[:1].upper() + part[1:] for part in rest)
+
+
+def _loc_to_path(prefix: str, loc: tuple[Union[str, int], ...]) -> str:
+    path = prefix
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.startswith("function-") or part in {"int", "str"}:
+            continue  # union branch / validator markers, not fields
+        else:
+            path += ("." if path else "") + part
+    return path
+
+
+def _pydantic_problems(err: ValidationError, prefix: str) -> list[Problem]:
+    problems = []
+    for e in err.errors():
+        path = _loc_to_path(prefix, e["loc"])
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (not part of the AFDDeployment API)"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+        problems.append(Problem(path, msg))
+    # A union (int | percent) reports once per branch: keep one message per path and text.
+    return sorted(set(problems), key=problems.index)
+
+
+def resolve_int_or_percent(value: Union[int, str], total: int, round_up: bool) -> int:
+    if isinstance(value, int):
+        return value
+    scaled = int(value[:-1]) * total / 100
+    return math.ceil(scaled) if round_up else math.floor(scaled)
+
+
+def _check_env(path: str, env: list[EnvVar]) -> list[Problem]:
+    seen: dict[str, int] = {}
+    problems = []
+    for i, var in enumerate(env):
+        if var.name in seen:
+            problems.append(Problem(f"{path}[{i}].name", f"duplicate of {path}[{seen[var.name]}].name '{var.name}'"))
+        seen.setdefault(var.name, i)
+    return problems
+
+
+def _check_engine_args(args: list[str]) -> list[Problem]:
+    problems = []
+    for i, arg in enumerate(args):
+        flag = arg.split("=", 1)[0]
+        if flag in OPERATOR_OWNED_FLAGS:
+            problems.append(Problem(
+                f"spec.attention.engineArgs[{i}]",
+                f"'{flag}' is set by the operator from {OPERATOR_OWNED_FLAGS[flag]}",
+            ))
+    return problems
+
+
+def _check_layout(spec: AFDDeploymentSpec) -> list[Problem]:
+    problems = []
+    att = spec.attention
+    att_ranks = att.data_parallel * att.tensor_parallel
+    if att_ranks > att.devices_per_pod:
+        if att.devices_per_pod % att.tensor_parallel:
+            problems.append(Problem(
+                "spec.attention.tensorParallel",
+                f"must divide attention.devicesPerPod ({att.devices_per_pod}); got {att.tensor_parallel}",
+            ))
+        if att_ranks % att.devices_per_pod:
+            problems.append(Problem(
+                "spec.attention.devicesPerPod",
+                f"attention.dataParallel * tensorParallel ({att_ranks}) must be a multiple of "
+                f"devicesPerPod ({att.devices_per_pod}) or fit in one pod",
+            ))
+    ffn = spec.ffn
+    if ffn.ranks > ffn.devices_per_pod and ffn.ranks % ffn.devices_per_pod:
+        problems.append(Problem(
+            "spec.ffn.devicesPerPod",
+            f"ffn.ranks ({ffn.ranks}) must be a multiple of devicesPerPod ({ffn.devices_per_pod}) or fit in one pod",
+        ))
+    experts = spec.model.routed_experts
+    if experts is not None and experts % ffn.ranks:
+        problems.append(Problem(
+            "spec.ffn.ranks",
+            f"must divide model.routedExperts ({experts}) so every FFN rank holds the same number of experts; "
+            f"got {ffn.ranks}",
+        ))
+    return problems
+
+
+_PORT_FIELDS = {
+    "api": "spec.service.port",
+    "dp_rpc": "spec.attention.dataParallelRpcPort",
+    "connector": "spec.connector.port",
+    "ffn_metrics": "spec.metrics.port",
+    "ffn_health": "spec.ffn.healthPort",
+}
+
+
+def _check_ports(spec: AFDDeploymentSpec, max_index: int) -> list[Problem]:
+    """Every port a pod opens is distinct; with host networking, instances that may share a
+    node must not collide either, and shifted ports stay <= 65535."""
+    host_net = uses_host_network(spec)
+    problems: list[Problem] = []
+    reported: set[str] = set()
+    owner: dict[int, tuple[str, int]] = {}
+    for index in range(max_index + 1 if host_net else 1):
+        ports = instance_ports(spec, index)
+        used = {"api": ports.api, "dp_rpc": ports.dp_rpc, "connector": ports.connector,
+                "ffn_metrics": ports.ffn_metrics, "ffn_health": ports.ffn_health}
+        for kind, port in used.items():
+            path = _PORT_FIELDS[kind]
+            if path in reported:
+                continue
+            if port > PORT_MAX:
+                problems.append(Problem(
+                    path, f"instance {index} would use host port {port}, above {PORT_MAX}; "
+                    "lower the port or ascend.hostPortStride",
+                ))
+                reported.add(path)
+            elif port in owner:
+                other, other_index = owner[port]
+                where = f" of instance {other_index} (instance {index})" if host_net else ""
+                problems.append(Problem(path, f"port {port} collides with {other}{where}; ports must be distinct"))
+                reported.add(path)
+            else:
+                owner[port] = (path, index)
+    return problems
+
+
+def _check_names(name: str, spec: AFDDeploymentSpec) -> list[Problem]:
+    if not naming.is_dns_1035_label(name):
+        return [Problem(
+            "metadata.name",
+            "must be a DNS-1035 label (lowercase letters, digits and '-', starting with a letter)",
+        )]
+    longest_ordinal = max(attention_layout(spec).pods, ffn_layout(spec).pods) - 1
+    longest = naming.pod_name(name, "x" * REVISION_LENGTH, 10 ** MAX_INDEX_DIGITS - 1, "attention", longest_ordinal)
+    if len(longest) > naming.DNS_LABEL_MAX:
+        allowed = len(name) - (len(longest) - naming.DNS_LABEL_MAX)
+        return [Problem(
+            "metadata.name",
+            f"must be at most {allowed} characters: pod names such as '{longest}' are DNS labels "
+            f"(at most {naming.DNS_LABEL_MAX} characters)",
+        )]
+    return []
+
+
+def check_spec(spec: AFDDeploymentSpec, name: str) -> list[Problem]:
+    """Cross-field rules of a schema-valid spec."""
+    problems = _check_names(name, spec)
+    problems += _check_layout(spec)
+    us = spec.update_strategy
+    surge = resolve_int_or_percent(us.max_surge, max(spec.replicas, 1), round_up=True)
+    unavailable = resolve_int_or_percent(us.max_unavailable, max(spec.replicas, 1), round_up=False)
+    if us.type == "RollingUpdate" and surge == 0 and unavailable == 0:
+        problems.append(Problem(
+            "spec.updateStrategy.maxUnavailable",
+            "maxSurge and maxUnavailable must not both be 0 (the rollout could never make progress)",
+        ))
+    problems += _check_ports(spec, max_index=max(spec.replicas + surge - 1, 0))
+    problems += _check_engine_args(spec.attention.engine_args)
+    problems += _check_env("spec.attention.env", spec.attention.env)
+    problems += _check_env("spec.ffn.env", spec.ffn.env)
+    if spec.recovery.max_backoff_seconds < spec.recovery.backoff_seconds:
+        problems.append(Problem(
+            "spec.recovery.maxBackoffSeconds",
+            f"must be >= recovery.backoffSeconds ({spec.recovery.backoff_seconds})",
+        ))
+    gang = spec.scheduling.gang
+    if gang.queue is not None and gang.provider != "volcano":
+        problems.append(Problem("spec.scheduling.gang.queue", "is only used with gang.provider 'volcano'"))
+    for i, secret in enumerate(spec.image_pull_secrets):
+        if not _DNS_1123_SUBDOMAIN.match(secret) or len(secret) > 253:
+            problems.append(Problem(f"spec.imagePullSecrets[{i}]", f"'{secret}' is not a valid Secret name"))
+    if spec.model.volume is not None:
+        vol = spec.model.volume
+        if not vol.mount_path.startswith("/"):
+            problems.append(Problem("spec.model.volume.mountPath", "must be an absolute path"))
+        elif not (spec.model.path + "/").startswith(vol.mount_path.rstrip("/") + "/"):
+            problems.append(Problem(
+                "spec.model.path", f"must be inside model.volume.mountPath ({vol.mount_path})"
+            ))
+    return problems
+
+
+def validate_spec(data: Any, name: str, prefix: str = "spec") -> tuple[Optional[AFDDeploymentSpec], list[Problem]]:
+    """Parse and check a raw spec mapping. Returns the spec only when there is no problem."""
+    try:
+        spec = AFDDeploymentSpec.model_validate(data)
+    except ValidationError as err:
+        problems = _pydantic_problems(err, prefix)
+        if not naming.is_dns_1035_label(name):
+            problems.insert(0, Problem("metadata.name", "must be a DNS-1035 label"))
+        return None, problems
+    problems = check_spec(spec, name)
+    return (None, problems) if problems else (spec, [])
+
+
+def validate_object(obj: Any) -> tuple[Optional[AFDDeployment], list[Problem]]:
+    """Parse and check a whole AFDDeployment object (as `kubectl apply` would send it)."""
+    if not isinstance(obj, dict):
+        return None, [Problem("<document>", "must be a mapping (an AFDDeployment object)")]
+    try:
+        parsed = AFDDeployment.model_validate(obj)
+    except ValidationError as err:
+        return None, _pydantic_problems(err, "")
+    problems = check_spec(parsed.spec, parsed.metadata.name)
+    return (None, problems) if problems else (parsed, [])

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Creates (once) the project's virtual environment outside the clone, keyed by the
+# dependency declaration, installs this checkout into it in editable mode, and prints its path.
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+
+# Keyed by the declared dependencies (not the whole pyproject) and this script.
+deps="$(python3 -c 'import json, sys, tomllib
+p = tomllib.load(open(sys.argv[1], "rb"))["project"]
+print(json.dumps([p.get("dependencies"), p.get("optional-dependencies")], sort_keys=True))' "$REPO_ROOT/pyproject.toml")"
+key="$( (echo "$deps"; cat "$REPO_ROOT/scripts/dev-env.sh") | sha256sum | cut -c1-16)"
+VENV="$AFD_CACHE_DIR/venv/dev-$key"
+if [ ! -f "$VENV/.complete" ]; then
+  log "creating $VENV"
+  rm -rf "$VENV"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip setuptools wheel >&2
+  # torch 2.13.0 CPU is the build that ships on this kind of machine; pinning it here keeps
+  # pip from pulling a multi-GB CUDA build for the plugin's `torch>=2.6` range.
+  "$VENV/bin/pip" install -q "torch==2.13.0" >&2
+  (cd "$REPO_ROOT" && "$VENV/bin/pip" install -q -e ".[operator,plugin,dev]" >&2)
+  touch "$VENV/.complete"
+fi
+# Point the editable install at this checkout (the cached venv outlives any one clone).
+(cd "$REPO_ROOT" && "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e . >&2)
+echo "$VENV"

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs what it needs (Debian packages, the
+# kube-apiserver build, the Python environment; all cached outside the clone), then runs pytest.
+# Extra arguments go to pytest.
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+
+ensure_debs etcd-server etcd-client openssl
+AFD_KUBE_APISERVER="$("$REPO_ROOT/scripts/build-kube-apiserver.sh")"
+export AFD_KUBE_APISERVER
+VENV="$("$REPO_ROOT/scripts/dev-env.sh")"
+cd "$REPO_ROOT"
+exec "$VENV/bin/python" -m pytest "$@"

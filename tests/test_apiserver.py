@@ -1,0 +1,170 @@
+"""The CRD, the examples and every rendered object against the real kube-apiserver 1.20."""
+
+from __future__ import annotations
+
+import copy
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from afd_operator.api import PLURAL, GROUP, VERSION
+from afd_operator.crd import CRD_FILE, CRD_NAME
+from afd_operator.planner import plan
+from afd_operator.render import render
+from afd_operator.validation import validate_object
+from testbed import REPO_ROOT, ControlPlane
+
+pytestmark = pytest.mark.apiserver
+
+CRD_PATH = REPO_ROOT / "crds" / CRD_FILE
+THIRD_PARTY_CRDS = Path(__file__).parent / "fixtures" / "third-party-crds.yaml"
+# The 1.20 test server predates policy/v1 PodDisruptionBudget (1.21); the v1beta1 schema of
+# the fields rendered (maxUnavailable, selector) is the same.
+SERVED_AS = {("policy/v1", "PodDisruptionBudget"): "policy/v1beta1"}
+
+
+def _wait_established(dyn, name: str) -> dict[str, Any]:
+    crds = dyn.resources.get(api_version="apiextensions.k8s.io/v1", kind="CustomResourceDefinition")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        obj = crds.get(name=name).to_dict()
+        conds = {c["type"]: c["status"] for c in obj.get("status", {}).get("conditions", [])}
+        if conds.get("Established") == "True":
+            return obj
+        time.sleep(0.2)
+    raise AssertionError(f"CRD {name} not Established: {conds}")
+
+
+@pytest.fixture(scope="module")
+def dyn(api_client, cluster: ControlPlane):
+    from kubernetes.dynamic import DynamicClient
+
+    for path in (CRD_PATH, THIRD_PARTY_CRDS):
+        cluster.kubectl("apply", "-f", str(path))
+    client = DynamicClient(api_client)
+    for name in (CRD_NAME, "podgroups.scheduling.volcano.sh", "podmonitors.monitoring.coreos.com"):
+        _wait_established(client, name)
+    # Discovery is cached by the client: refresh it now that the CRDs are served.
+    return DynamicClient(api_client)
+
+
+@pytest.fixture()
+def namespace(dyn) -> str:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    dyn.resources.get(api_version="v1", kind="Namespace").create(body={"metadata": {"name": name}})
+    return name
+
+
+def _afd(dyn):
+    return dyn.resources.get(api_version=f"{GROUP}/{VERSION}", kind="AFDDeployment")
+
+
+def _example_docs(examples: list[Path]) -> list[dict[str, Any]]:
+    return [d for p in examples for d in yaml.safe_load_all(p.read_text()) if d]
+
+
+def test_crd_is_established_structural_and_has_subresources(dyn) -> None:
+    crd = _wait_established(dyn, CRD_NAME)
+    conds = {c["type"]: c for c in crd["status"]["conditions"]}
+    assert conds.get("NonStructuralSchema", {}).get("status") != "True"
+    version = crd["spec"]["versions"][0]
+    assert set(version["subresources"]) == {"status", "scale"}
+    assert crd["spec"]["names"]["shortNames"] == ["afd"]
+
+
+def test_examples_are_accepted_and_listed_with_printer_columns(dyn, cluster: ControlPlane,
+                                                                 namespace: str, examples: list[Path]) -> None:
+    created = []
+    for doc in _example_docs(examples):
+        body = copy.deepcopy(doc)
+        body["metadata"]["namespace"] = namespace
+        created.append(_afd(dyn).create(body=body, namespace=namespace).to_dict())
+    for obj, doc in zip(created, _example_docs(examples)):
+        assert obj["spec"] == doc["spec"], "the server pruned or changed fields of an example"
+    out = cluster.kubectl("get", "afd", "-n", namespace).stdout
+    header = out.splitlines()[0].split()
+    assert header == ["NAME", "READY", "TOPOLOGY", "INSTANCES", "DESIRED", "UP-TO-DATE", "REVISION", "AGE"]
+    assert len(out.splitlines()) == 1 + len(created)
+
+
+def test_scale_subresource(dyn, cluster: ControlPlane, namespace: str, examples: list[Path]) -> None:
+    doc = _example_docs(examples)[0]
+    doc["metadata"]["namespace"] = namespace
+    _afd(dyn).create(body=doc, namespace=namespace)
+    name = doc["metadata"]["name"]
+    cluster.kubectl("scale", "afd", name, "-n", namespace, "--replicas=5")
+    assert _afd(dyn).get(name=name, namespace=namespace).spec.replicas == 5
+
+
+SCHEMA_INVALID = [
+    ("spec.replicas", -1, "spec.replicas"),
+    ("spec.replicas", "two", "spec.replicas"),
+    ("spec.platform", "gpu", "spec.platform"),
+    ("spec.sharedExperts.placement", "both", "spec.sharedExperts.placement"),
+    ("spec.connector.port", 70000, "spec.connector.port"),
+    ("spec.attention.dataParallel", 0, "spec.attention.dataParallel"),
+    ("spec.model", None, "spec.model"),
+    ("spec.image", "", "spec.image"),
+    ("spec.updateStrategy.type", "BlueGreen", "spec.updateStrategy.type"),
+]
+
+
+@pytest.mark.parametrize("path,value,field", SCHEMA_INVALID, ids=[f"{p}={v!r}" for p, v, _ in SCHEMA_INVALID])
+def test_server_rejects_schema_invalid(dyn, namespace: str, examples: list[Path], path: str, value: Any,
+                                       field: str) -> None:
+    from kubernetes.dynamic.exceptions import UnprocessibleEntityError
+
+    doc = copy.deepcopy(_example_docs(examples)[0])
+    doc["metadata"]["namespace"] = namespace
+    node = doc
+    *parents, last = path.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    if value is None:
+        node.pop(last)
+    else:
+        node[last] = value
+    with pytest.raises(UnprocessibleEntityError) as err:
+        _afd(dyn).create(body=doc, namespace=namespace)
+    assert field in err.value.body
+
+
+def test_kubectl_rejects_unknown_fields(cluster: ControlPlane, dyn, namespace: str, examples: list[Path]) -> None:
+    doc = copy.deepcopy(_example_docs(examples)[0])
+    doc["metadata"]["namespace"] = namespace
+    doc["spec"]["attention"]["tensorParalel"] = 4  # a typo must not be silently dropped
+    result = cluster.kubectl("apply", "-f", "-", input_text=yaml.safe_dump(doc), check=False)
+    assert result.returncode != 0
+    assert "tensorParalel" in result.stderr
+
+
+def _ensure_priority_class(dyn, name: str) -> None:
+    from kubernetes.dynamic.exceptions import ConflictError
+
+    classes = dyn.resources.get(api_version="scheduling.k8s.io/v1", kind="PriorityClass")
+    try:
+        classes.create(body={"metadata": {"name": name}, "value": 1000})
+    except ConflictError:
+        pass
+
+
+def test_every_rendered_object_is_accepted(dyn, namespace: str, examples: list[Path]) -> None:
+    created = 0
+    for doc in _example_docs(examples):
+        obj, problems = validate_object(doc)
+        assert problems == []
+        if obj.spec.scheduling.priority_class_name:  # pods naming a missing class are refused
+            _ensure_priority_class(dyn, obj.spec.scheduling.priority_class_name)
+        p = plan(obj.spec, obj.metadata.name, namespace)
+        for o in render(obj.spec, p, owner_uid=str(uuid.uuid4())):
+            api_version = SERVED_AS.get((o["apiVersion"], o["kind"]), o["apiVersion"])
+            resource = dyn.resources.get(api_version=api_version, kind=o["kind"])
+            body = {**o, "apiVersion": api_version}
+            result = resource.create(body=body, namespace=namespace, dry_run="All").to_dict()
+            assert result["metadata"]["name"] == o["metadata"]["name"]
+            created += 1
+    assert created >= 15

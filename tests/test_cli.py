@@ -1,0 +1,103 @@
+"""`afdctl`: exit codes, messages on stderr, deterministic output."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from afd_operator.cli import main
+
+BAD = """\
+apiVersion: afd.inference.dev/v1alpha1
+kind: AFDDeployment
+metadata: {name: bad}
+spec:
+  replicas: -2
+  image: x
+  model: {name: m, path: /m, routedExperts: 10}
+  ffn: {ranks: 4, devicesPerPod: 4}
+  attention: {tensorParalel: 2}
+"""
+
+
+def run(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_validate_examples(examples: list[Path]) -> None:
+    args = [a for p in examples for a in ("-f", str(p))]
+    code, out, err = run("validate", *args)
+    assert (code, err) == (0, "")
+    assert out.count(": valid") == len(examples)
+
+
+def test_validate_lists_every_problem(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BAD)
+    code, out, err = run("validate", "-f", str(bad))
+    assert code == 1 and out == ""
+    lines = err.splitlines()
+    assert f"{bad}: spec.replicas: Input should be greater than or equal to 0" in lines
+    assert f"{bad}: spec.attention.tensorParalel: unknown field (not part of the AFDDeployment API)" in lines
+
+
+def test_cross_field_problems_on_stderr(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BAD.replace("replicas: -2", "replicas: 1").replace("  attention: {tensorParalel: 2}\n", ""))
+    code, _, err = run("validate", "-f", str(bad))
+    assert code == 1
+    assert "spec.ffn.ranks: must divide model.routedExperts (10)" in err
+
+
+def test_multi_document_and_yaml_errors(tmp_path: Path, examples: list[Path]) -> None:
+    multi = tmp_path / "multi.yaml"
+    multi.write_text(examples[0].read_text() + "\n---\n" + BAD)
+    code, out, err = run("validate", "-f", str(multi))
+    assert code == 1 and f"{multi}#2: spec.replicas" in err and out == ""
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("spec: [unclosed\n")
+    code, _, err = run("validate", "-f", str(broken))
+    assert code == 1 and f"{broken}: <yaml>:" in err
+
+
+def test_usage_errors_exit_2(tmp_path: Path) -> None:
+    assert run("validate", "-f", str(tmp_path / "missing.yaml"))[0] == 2
+    assert run("frobnicate")[0] == 2
+    assert run()[0] == 2
+
+
+def test_plan_table(examples: list[Path]) -> None:
+    small = next(p for p in examples if p.name == "small-ascend.yaml")
+    code, out, _ = run("plan", "-f", str(small))
+    assert code == 0
+    assert "topology DP2xTP2+EP4" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["0"]]
+    # INSTANCE POD ROLE RANKS WORLD DEVICES DP-START [HEAD] PORTS
+    assert [(r[2], r[3], r[4], r[6]) for r in rows] == [
+        ("ffn", "0-1", "4-5", "-"), ("ffn", "2-3", "6-7", "-"),
+        ("attention", "0-1", "0-1", "0"), ("attention", "2-3", "2-3", "1"),
+    ]
+
+
+def test_render_is_deterministic_yaml(examples: list[Path]) -> None:
+    args = [a for p in examples for a in ("-f", str(p))]
+    first, second = run("render", *args), run("render", *args)
+    assert first == second and first[0] == 0
+    objs = list(yaml.safe_load_all(first[1]))
+    assert {o["kind"] for o in objs} >= {"Pod", "Service", "ConfigMap", "PodDisruptionBudget"}
+    code, out, _ = run("render", "--owner-uid", "1234", "-f", str(examples[0]))
+    assert all(o["metadata"]["ownerReferences"][0]["uid"] == "1234" for o in yaml.safe_load_all(out))
+
+
+def test_console_script_and_crd() -> None:
+    bin_dir = Path(sys.executable).parent
+    result = subprocess.run([str(bin_dir / "afdctl"), "crd"], capture_output=True, text=True, check=True)
+    assert yaml.safe_load(result.stdout)["kind"] == "CustomResourceDefinition"
+    helped = subprocess.run([str(bin_dir / "afdctl"), "--help"], capture_output=True, text=True)
+    assert helped.returncode == 0 and "Exit codes" in helped.stdout

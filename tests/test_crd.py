@@ -1,0 +1,67 @@
+"""The checked-in CRD is exactly what the models generate, and it is structural."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import yaml
+
+from afd_operator.crd import CRD_FILE, build_crd, crd_yaml
+from testbed import REPO_ROOT
+
+# Free-form by design; nothing else may preserve unknown fields.
+FREE_FORM_PATHS = {
+    "spec.connector.extraConfig",
+    "spec.attention.env[].valueFrom", "spec.ffn.env[].valueFrom",
+    *(f"spec.{role}.podTemplate.{field}" for role in ("attention", "ffn")
+      for field in ("tolerations[]", "affinity", "topologySpreadConstraints[]", "volumes[]",
+                    "volumeMounts[]", "resources")),
+}
+
+
+def walk(schema: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    yield path, schema
+    for name, sub in schema.get("properties", {}).items():
+        yield from walk(sub, f"{path}.{name}" if path else name)
+    if "items" in schema:
+        yield from walk(schema["items"], path + "[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from walk(schema["additionalProperties"], path + "{}")
+
+
+def test_checked_in_crd_matches_the_models() -> None:
+    checked_in = (REPO_ROOT / "crds" / CRD_FILE).read_text()
+    assert checked_in == crd_yaml(), "crds/ is stale: run `afdctl crd > crds/" + CRD_FILE + "`"
+
+
+def test_schema_is_structural() -> None:
+    root = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    preserved = set()
+    for path, node in walk(root, ""):
+        assert "$ref" not in node and "anyOf" not in node and "title" not in node, path
+        if node.get("x-kubernetes-preserve-unknown-fields"):
+            preserved.add(path)
+        elif not node.get("x-kubernetes-int-or-string") and path != "metadata":
+            assert "type" in node, f"{path} has no type"
+        if "properties" in node:
+            assert node["type"] == "object" and "additionalProperties" not in node, path
+    assert preserved == FREE_FORM_PATHS
+
+
+def test_int_or_percent_fields() -> None:
+    root = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    strategy = root["properties"]["spec"]["properties"]["updateStrategy"]["properties"]
+    assert strategy["maxSurge"]["x-kubernetes-int-or-string"] is True
+    assert strategy["maxUnavailable"]["x-kubernetes-int-or-string"] is True
+
+
+def test_status_fields_declared_so_nothing_is_pruned() -> None:
+    status = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    assert {"observedGeneration", "replicas", "readyReplicas", "updatedReplicas", "currentRevision",
+            "updateRevision", "topology", "instances", "conditions", "selector"} <= set(status["properties"])
+    instance = status["properties"]["instances"]["items"]["properties"]
+    assert {"index", "revision", "phase", "podsReady", "podsTotal", "restarts", "lastFailure"} <= set(instance)
+
+
+def test_crd_yaml_round_trips() -> None:
+    assert yaml.safe_load(crd_yaml()) == build_crd()

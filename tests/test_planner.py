@@ -1,0 +1,142 @@
+"""Planner: rank layout, DP start ranks, endpoints, runtime config, revisions (pure)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import yaml
+
+from afd_operator.api import AFDDeploymentSpec
+from afd_operator.planner import plan
+from afd_operator.revision import revision_of
+from afd_operator.validation import validate_object
+
+
+def spec_of(**overrides: Any) -> AFDDeploymentSpec:
+    data: dict[str, Any] = {
+        "replicas": 2,
+        "image": "runtime:v1",
+        "model": {"name": "m", "path": "/models/m"},
+        "attention": {"dataParallel": 2, "tensorParallel": 2, "devicesPerPod": 2},
+        "ffn": {"ranks": 4, "devicesPerPod": 2},
+    }
+    for key, value in overrides.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    return AFDDeploymentSpec.model_validate(data)
+
+
+def option_value(command: tuple[str, ...], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+TOPOLOGIES = [
+    # (dp, tp, attention devices/pod, ffn ranks, ffn devices/pod)
+    (1, 1, 1, 1, 1),
+    (2, 1, 1, 2, 1),
+    (4, 4, 16, 16, 16),
+    (2, 2, 2, 4, 2),
+    (8, 2, 4, 32, 8),
+    (3, 1, 8, 3, 8),
+]
+
+
+@pytest.mark.parametrize("dp,tp,adev,franks,fdev", TOPOLOGIES)
+def test_every_world_rank_held_exactly_once(dp: int, tp: int, adev: int, franks: int, fdev: int) -> None:
+    spec = spec_of(attention={"dataParallel": dp, "tensorParallel": tp, "devicesPerPod": adev},
+                   ffn={"ranks": franks, "devicesPerPod": fdev})
+    p = plan(spec, "ds", "ns")
+    a = dp * tp
+    for inst in p.instances:
+        held: list[int] = []
+        for pod in inst.pods:
+            held += list(range(pod.world_rank_start, pod.world_rank_start + pod.ranks))
+        assert sorted(held) == list(range(a + franks))
+        attn = inst.pods_of("attention")
+        assert [pod.head for pod in attn] == [True] + [False] * (len(attn) - 1)
+        # DP start ranks tile 0..dp-1 and match the command line.
+        starts = [pod.dp_start_rank for pod in attn]
+        assert starts == [k * (attn[0].ranks // tp) for k in range(len(attn))]
+        assert sum(pod.dp_local for pod in attn) == dp
+        for pod in attn:
+            assert option_value(pod.command, "--data-parallel-size-local") == str(pod.dp_local)
+            assert ("--headless" in pod.command) == (not pod.head)
+            if not pod.head:
+                assert option_value(pod.command, "--data-parallel-start-rank") == str(pod.dp_start_rank)
+        for pod in inst.pods_of("ffn"):
+            assert option_value(pod.command, "--ffn-rank-start") == str(pod.rank_start)
+            assert option_value(pod.command, "--ffn-local-ranks") == str(pod.ranks)
+
+
+def test_runtime_config_agrees_across_an_instance() -> None:
+    spec = spec_of(connector={"extraConfig": {"dynamicQuant": 1}})
+    p = plan(spec, "ds", "ns")
+    for inst in p.instances:
+        blocks = [json.loads(option_value(pod.command, "--additional-config"))["afd"] for pod in inst.pods]
+        for block in blocks:
+            assert block["host"] == inst.head_host
+            assert block["port"] == inst.ports.connector
+            assert block["num_attention_ranks"] == 4 and block["num_ffn_ranks"] == 4
+            assert block["connector_extra_config"] == {"attn_ranks_per_dp": 2, "dynamicQuant": 1}
+            assert block["shared_experts"] == {"placement": "ffn", "partition": "affinity"}
+        assert sorted(b["role"] for b in blocks) == ["attention", "attention", "ffn", "ffn"]
+        heads = [pod for pod in inst.pods if pod.head]
+        assert len(heads) == 1 and inst.head_host.startswith(heads[0].name + "." + inst.name + ".ns.svc.")
+        # Attention DP address is the head's DNS name too; every rank uses the same batch budget.
+        for pod in inst.pods:
+            assert option_value(pod.command, "--max-num-batched-tokens") == "8192"
+            if pod.role == "attention":
+                assert option_value(pod.command, "--data-parallel-address") == inst.head_host
+
+
+def test_host_network_shifts_ports_per_instance_and_pod_network_does_not() -> None:
+    p = plan(spec_of(replicas=3), "ds", "ns")
+    assert [i.ports.connector for i in p.instances] == [1239, 1255, 1271]
+    assert [i.ports.api for i in p.instances] == [8000, 8016, 8032]
+    cpu = plan(spec_of(replicas=3, platform="cpu"), "ds", "ns")
+    assert {i.ports.connector for i in cpu.instances} == {1239}
+
+
+def test_plan_is_deterministic_and_instances_selectable() -> None:
+    spec = spec_of()
+    assert plan(spec, "ds", "ns") == plan(spec, "ds", "ns")
+    some = plan(spec, "ds", "ns", indices=[5, 2])
+    assert [i.index for i in some.instances] == [2, 5]
+    assert some.instances[1].name == f"ds-{some.revision}-5"
+
+
+def test_revision_ignores_operator_only_fields() -> None:
+    base = revision_of(spec_of())
+    assert revision_of(spec_of(replicas=7)) == base
+    assert revision_of(spec_of(updateStrategy={"maxSurge": 3, "paused": True})) == base
+    assert revision_of(spec_of(recovery={"maxRestarts": 1}, startup={"order": "Parallel"})) == base
+    assert revision_of(spec_of(service={"type": "NodePort"}, metrics={"podMonitor": True})) == base
+
+
+@pytest.mark.parametrize("change", [
+    {"image": "runtime:v2"},
+    {"sharedExperts": {"placement": "attention"}},
+    {"attention": {"dataParallel": 4}},
+    {"ffn": {"ranks": 8}},
+    {"connector": {"port": 2000}},
+    {"model": {"maxNumBatchedTokens": 4096}},
+    {"attention": {"env": [{"name": "X", "value": "1"}]}},
+])
+def test_revision_changes_with_anything_that_shapes_an_instance(change: dict[str, Any]) -> None:
+    assert revision_of(spec_of(**change)) != revision_of(spec_of())
+
+
+def test_revision_is_stable_across_defaults_spelled_out() -> None:
+    explicit = spec_of(sharedExperts={"placement": "ffn", "partition": "affinity"}, platform="ascend")
+    assert revision_of(explicit) == revision_of(spec_of())
+
+
+def test_examples_plan(examples: list) -> None:
+    for path in examples:
+        for doc in yaml.safe_load_all(path.read_text()):
+            obj, problems = validate_object(doc)
+            assert problems == [], (path, problems)
+            p = plan(obj.spec, obj.metadata.name, obj.metadata.namespace)
+            assert len(p.instances) == obj.spec.replicas
+            assert all(len(name) <= 63 for i in p.instances for name in [i.name, *(pod.name for pod in i.pods)])

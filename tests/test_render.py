@@ -1,0 +1,187 @@
+"""Renderer: the Kubernetes objects of a deployment (pure), checked offline."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from afd_operator import naming
+from afd_operator.api import AFDDeploymentSpec
+from afd_operator.planner import plan
+from afd_operator.render import image_version_label, render
+from afd_operator.validation import validate_object
+
+from test_planner import spec_of
+
+KUBERNETES_SCHEMA_VERSION = "1.30"
+
+
+def render_spec(spec: AFDDeploymentSpec, uid: str = "uid-1") -> list[dict[str, Any]]:
+    return render(spec, plan(spec, "ds", "ns"), owner_uid=uid)
+
+
+def of_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def env_of(pod: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_object_inventory_and_owner_references() -> None:
+    objs = render_spec(spec_of(replicas=2, scheduling={"gang": {"provider": "volcano", "queue": "q"}},
+                               metrics={"podMonitor": True}))
+    kinds = Counter(o["kind"] for o in objs)
+    # 2 instances x (2 attention + 2 ffn) pods, a headless Service + PodGroup per instance.
+    assert kinds == Counter({"Pod": 8, "Service": 3, "PodGroup": 2, "ConfigMap": 1,
+                             "PodDisruptionBudget": 1, "PodMonitor": 1})
+    for o in objs:
+        (ref,) = o["metadata"]["ownerReferences"]
+        assert ref == {"apiVersion": "afd.inference.dev/v1alpha1", "kind": "AFDDeployment", "name": "ds",
+                       "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}
+        assert o["metadata"]["labels"][naming.LABEL_MANAGED_BY] == "afd-operator"
+    names = [(o["kind"], o["metadata"]["name"]) for o in objs]
+    assert len(names) == len(set(names))
+    assert render_spec(spec_of(replicas=2)) == render_spec(spec_of(replicas=2))
+
+
+def test_pod_group_gangs_the_whole_instance() -> None:
+    objs = render_spec(spec_of(scheduling={"gang": {"provider": "volcano", "queue": "q"},
+                                           "priorityClassName": "hi"}))
+    groups = of_kind(objs, "PodGroup")
+    for group in groups:
+        members = [p for p in of_kind(objs, "Pod")
+                   if p["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == group["metadata"]["name"]]
+        assert group["spec"] == {"minMember": len(members), "queue": "q", "priorityClassName": "hi"}
+        assert all(p["spec"]["schedulerName"] == "volcano" for p in members)
+
+
+def test_ascend_pod_shape() -> None:
+    spec = spec_of(ascend={"socketInterface": "eth9", "hcclBufferSizeMB": {"ffn": 1024}, "shmSize": "32Gi"},
+                   termination={"gracePeriodSeconds": 77})
+    objs = render_spec(spec)
+    for pod in of_kind(objs, "Pod"):
+        s = pod["spec"]
+        c = s["containers"][0]
+        assert s["hostNetwork"] is True and s["dnsPolicy"] == "ClusterFirstWithHostNet"
+        assert s["restartPolicy"] == "Never"
+        assert s["terminationGracePeriodSeconds"] == 77
+        assert s["hostname"] == pod["metadata"]["name"]
+        assert s["subdomain"] == pod["metadata"]["labels"][naming.LABEL_AFD_INSTANCE]
+        devices = c["resources"]["requests"]["huawei.com/Ascend910"]
+        assert devices == c["resources"]["limits"]["huawei.com/Ascend910"] == 2
+        env = env_of(pod)
+        assert env["HCCL_IF_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert env["HCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == env["TP_SOCKET_IFNAME"] == "eth9"
+        assert env["VLLM_PLUGINS"] == "ascend,afd_shared_experts"
+        role = pod["metadata"]["labels"][naming.LABEL_ROLE]
+        assert env.get("HCCL_BUFFSIZE") == ("1024" if role == "ffn" else None)
+        vols = {v["name"]: v for v in s["volumes"]}
+        assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+        assert vols["hccn-conf"]["hostPath"] == {"path": "/etc/hccn.conf", "type": "File"}
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        assert mounts["/usr/local/Ascend/driver"]["readOnly"] is True
+        for port in c["ports"]:
+            assert port["hostPort"] == port["containerPort"]
+
+
+def test_probes_and_prestop_per_role() -> None:
+    pods = {p["metadata"]["name"]: p for p in of_kind(render_spec(spec_of(replicas=1)), "Pod")}
+    head = next(p for p in pods.values() if p["metadata"]["labels"][naming.LABEL_HEAD] == "true")
+    hc = head["spec"]["containers"][0]
+    assert hc["readinessProbe"]["httpGet"] == {"path": "/health", "port": "api"}
+    assert hc["startupProbe"]["failureThreshold"] * hc["startupProbe"]["periodSeconds"] >= 1800
+    assert hc["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+    for pod in pods.values():
+        c = pod["spec"]["containers"][0]
+        if pod["metadata"]["labels"][naming.LABEL_ROLE] == "ffn":
+            assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "health"}
+            assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "health"}
+        elif pod is not head:
+            assert "readinessProbe" not in c and "--headless" in c["command"]
+
+
+def test_cpu_platform_has_no_devices_and_pod_networking() -> None:
+    for pod in of_kind(render_spec(spec_of(platform="cpu")), "Pod"):
+        s, c = pod["spec"], pod["spec"]["containers"][0]
+        assert "hostNetwork" not in s and "dnsPolicy" not in s
+        assert not any("huawei.com" in k for k in c.get("resources", {}).get("limits", {}))
+        assert env_of(pod)["VLLM_PLUGINS"] == "afd_shared_experts"
+        assert "HCCL_IF_IP" not in env_of(pod)
+        assert all("hostPort" not in p for p in c["ports"])
+
+
+def test_pod_template_overrides_are_merged() -> None:
+    spec = spec_of(attention={
+        "env": [{"name": "VLLM_PLUGINS", "value": "mine"}, {"name": "EXTRA", "value": "1"}],
+        "podTemplate": {
+            "labels": {"team": "a"}, "annotations": {"note": "x"}, "nodeSelector": {"pool": "npu"},
+            "tolerations": [{"key": "k", "operator": "Exists"}],
+            "volumes": [{"name": "cache", "emptyDir": {}}],
+            "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
+            "resources": {"requests": {"cpu": "8"}, "limits": {"memory": "64Gi"}},
+        },
+    })
+    for pod in of_kind(render_spec(spec), "Pod"):
+        if pod["metadata"]["labels"][naming.LABEL_ROLE] != "attention":
+            assert "nodeSelector" not in pod["spec"]
+            continue
+        assert pod["metadata"]["labels"]["team"] == "a"
+        assert pod["metadata"]["annotations"] == {"note": "x"}
+        assert pod["spec"]["nodeSelector"] == {"pool": "npu"}
+        assert pod["spec"]["tolerations"] == [{"key": "k", "operator": "Exists"}]
+        c = pod["spec"]["containers"][0]
+        assert c["resources"]["requests"] == {"cpu": "8", "huawei.com/Ascend910": 2}
+        assert c["resources"]["limits"] == {"memory": "64Gi", "huawei.com/Ascend910": 2}
+        assert {"name": "cache", "mountPath": "/cache"} in c["volumeMounts"]
+        names = [e["name"] for e in c["env"]]
+        assert names.count("VLLM_PLUGINS") == 1 and env_of(pod)["VLLM_PLUGINS"] == "mine"
+
+
+def test_api_service_selects_only_serving_heads() -> None:
+    objs = render_spec(spec_of())
+    api = next(o for o in of_kind(objs, "Service") if o["metadata"]["name"] == "ds")
+    sel = api["spec"]["selector"]
+    assert sel[naming.LABEL_SERVING] == "true" and sel[naming.LABEL_HEAD] == "true"
+    assert api["spec"]["ports"][0]["targetPort"] == "api"
+    # No pod is rendered serving: the operator sets the label once an instance is Ready.
+    assert not any(naming.LABEL_SERVING in p["metadata"]["labels"] for p in of_kind(objs, "Pod"))
+    for svc in of_kind(objs, "Service"):
+        if svc["spec"].get("clusterIP") == "None":
+            assert svc["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_pdb_never_blocks_drains_entirely() -> None:
+    pdb = of_kind(render_spec(spec_of()), "PodDisruptionBudget")[0]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    pdb = of_kind(render_spec(spec_of(replicas=8, updateStrategy={"maxUnavailable": "25%"})),
+                  "PodDisruptionBudget")[0]
+    assert pdb["spec"]["maxUnavailable"] == 2
+
+
+@pytest.mark.parametrize("image,label", [
+    ("repo/vllm:v0.23.0", "v0.23.0"),
+    ("host:5000/repo/vllm", None),
+    ("vllm@sha256:abc", None),
+    ("vllm:1.0+build", "1.0-build"),
+])
+def test_version_label_from_image_tag(image: str, label: Any) -> None:
+    assert image_version_label(image) == label
+
+
+def test_built_in_kinds_validate_offline(examples: list) -> None:
+    """Every built-in object rendered for the examples passes the upstream OpenAPI schema."""
+    checked = 0
+    for path in examples:
+        for doc in yaml.safe_load_all(path.read_text()):
+            obj, problems = validate_object(doc)
+            assert problems == []
+            for o in render(obj.spec, plan(obj.spec, obj.metadata.name, obj.metadata.namespace), owner_uid="u"):
+                if o["apiVersion"] in ("v1", "policy/v1"):
+                    kubernetes_validate.validate(o, KUBERNETES_SCHEMA_VERSION, strict=True)
+                    checked += 1
+    assert checked >= 10

@@ -1,0 +1,167 @@
+"""Bad AFDDeployment input: every problem reported at once, each naming field path and rule."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from afd_operator.validation import validate_object
+
+
+def base() -> dict[str, Any]:
+    return {
+        "apiVersion": "afd.inference.dev/v1alpha1",
+        "kind": "AFDDeployment",
+        "metadata": {"name": "ds", "namespace": "ns"},
+        "spec": {
+            "replicas": 2,
+            "image": "runtime:v1",
+            "model": {"name": "m", "path": "/models/m", "routedExperts": 64},
+            "attention": {"dataParallel": 2, "tensorParallel": 2, "devicesPerPod": 4},
+            "ffn": {"ranks": 4, "devicesPerPod": 4},
+        },
+    }
+
+
+def with_change(path: str, value: Any) -> dict[str, Any]:
+    """base() with one dotted path set (a value of DELETE removes the key)."""
+    obj = copy.deepcopy(base())
+    node = obj
+    *parents, last = path.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    if value is DELETE:
+        node.pop(last)
+    else:
+        node[last] = value
+    return obj
+
+
+DELETE = object()
+
+# (change path, value, expected problem path, fragment of the rule in the message)
+MALFORMED = [
+    ("spec.replicas", -1, "spec.replicas", "greater than or equal to 0"),
+    ("spec.replicas", "two", "spec.replicas", "integer"),
+    ("spec.image", DELETE, "spec.image", "required"),
+    ("spec.image", "", "spec.image", "at least 1 character"),
+    ("spec.imagePullPolicy", "Sometimes", "spec.imagePullPolicy", "'Always', 'IfNotPresent' or 'Never'"),
+    ("spec.platform", "gpu", "spec.platform", "'ascend' or 'cpu'"),
+    ("spec.model.path", DELETE, "spec.model.path", "required"),
+    ("spec.model.routedExperts", 0, "spec.model.routedExperts", "greater than or equal to 1"),
+    ("spec.model.dtype", "fp8", "spec.model.dtype", "bfloat16"),
+    ("spec.model.volume", {"claimName": "pvc", "hostPath": "/x"}, "spec.model.volume", "exactly one of claimName or hostPath"),
+    ("spec.model.volume", {"hostPath": "/data", "mountPath": "/data"}, "spec.model.path", "inside model.volume.mountPath"),
+    ("spec.model.maxNumBatchedTokens", 0, "spec.model.maxNumBatchedTokens", "greater than or equal to 1"),
+    ("spec.model.colour", "red", "spec.model.colour", "unknown field"),
+    ("spec.sharedExperts.placement", "both", "spec.sharedExperts.placement", "'ffn' or 'attention'"),
+    ("spec.sharedExperts.partition", "random", "spec.sharedExperts.partition", "'affinity' or 'contiguous'"),
+    ("spec.connector.port", 0, "spec.connector.port", "greater than or equal to 1"),
+    ("spec.connector.port", 70000, "spec.connector.port", "less than or equal to 65535"),
+    ("spec.connector.port", 8000, "spec.connector.port", "collides with spec.service.port"),
+    ("spec.attention.dataParallel", 0, "spec.attention.dataParallel", "greater than or equal to 1"),
+    ("spec.attention.tensorParallel", 3, "spec.attention.tensorParallel", "must divide attention.devicesPerPod"),
+    ("spec.attention.devicesPerPod", 3, "spec.attention.devicesPerPod", "multiple of devicesPerPod (3) or fit in one pod"),
+    ("spec.attention.engineArgs", ["--tensor-parallel-size=8"], "spec.attention.engineArgs[0]", "set by the operator"),
+    ("spec.attention.env", [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}], "spec.attention.env[1].name", "duplicate"),
+    ("spec.attention.env", [{"name": "1BAD", "value": "1"}], "spec.attention.env[0].name", "not start with a digit"),
+    ("spec.attention.env", [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}], "spec.attention.env[0]", "either value or valueFrom"),
+    ("spec.attention.podTemplate.nodeSelector", {"a": 1}, "spec.attention.podTemplate.nodeSelector.a", "valid string"),
+    ("spec.attention.podTemplate.hostPID", True, "spec.attention.podTemplate.hostPID", "unknown field"),
+    ("spec.ffn.ranks", 3, "spec.ffn.ranks", "must divide model.routedExperts (64)"),
+    ("spec.ffn.devicesPerPod", 3, "spec.ffn.devicesPerPod", "multiple of devicesPerPod (3)"),
+    ("spec.ffn.healthPort", 13345, "spec.ffn.healthPort", "collides with spec.attention.dataParallelRpcPort"),
+    ("spec.ascend.resourceName", "Ascend910", "spec.ascend.resourceName", "extended resource name"),
+    ("spec.ascend.shmSize", "lots", "spec.ascend.shmSize", "Kubernetes quantity"),
+    ("spec.ascend.driverHostPaths", ["usr/local/dcmi"], "spec.ascend.driverHostPaths", "absolute path"),
+    ("spec.ascend.hcclBufferSizeMB", {"attention": 0}, "spec.ascend.hcclBufferSizeMB.attention", "greater than or equal to 1"),
+    ("spec.ascend.hostPortStride", 1, "spec.metrics.port", "collides with spec.ffn.healthPort of instance 0 (instance 1)"),
+    ("spec.service.port", 65530, "spec.service.port", "above 65535"),
+    ("spec.scheduling.gang.provider", "kueue", "spec.scheduling.gang.provider", "'none' or 'volcano'"),
+    ("spec.scheduling.gang.queue", "q", "spec.scheduling.gang.queue", "only used with gang.provider 'volcano'"),
+    ("spec.startup.order", "AttentionFirst", "spec.startup.order", "'FFNFirst' or 'Parallel'"),
+    ("spec.startup.timeoutSeconds", 0, "spec.startup.timeoutSeconds", "greater than or equal to 1"),
+    ("spec.recovery.policy", "Restart", "spec.recovery.policy", "'RecreateInstance' or 'None'"),
+    ("spec.recovery.maxBackoffSeconds", 1, "spec.recovery.maxBackoffSeconds", "must be >= recovery.backoffSeconds"),
+    ("spec.updateStrategy.maxSurge", "150", "spec.updateStrategy.maxSurge", "percentage like '25%'"),
+    ("spec.updateStrategy.maxUnavailable", -1, "spec.updateStrategy.maxUnavailable", "must be >= 0"),
+    ("spec.updateStrategy", {"maxSurge": 0, "maxUnavailable": "0%"}, "spec.updateStrategy.maxUnavailable", "must not both be 0"),
+    ("spec.updateStrategy.type", "BlueGreen", "spec.updateStrategy.type", "'RollingUpdate' or 'Recreate'"),
+    ("spec.termination.gracePeriodSeconds", -5, "spec.termination.gracePeriodSeconds", "greater than or equal to 0"),
+    ("spec.service.type", "ExternalName", "spec.service.type", "'ClusterIP', 'NodePort' or 'LoadBalancer'"),
+    ("spec.imagePullSecrets", ["Not_A_Name"], "spec.imagePullSecrets[0]", "not a valid Secret name"),
+    ("spec.metrics.podMonitor", "yes please", "spec.metrics.podMonitor", "valid boolean"),
+    ("metadata.name", "DS", "metadata.name", "DNS-1035 label"),
+    ("metadata.name", "a" * 45, "metadata.name", "at most 40 characters"),
+    ("kind", "Deployment", "kind", "'AFDDeployment'"),
+    ("spec.topology", "DP2", "spec.topology", "unknown field"),
+]
+
+
+def test_base_is_valid() -> None:
+    obj, problems = validate_object(base())
+    assert problems == []
+    assert obj is not None and obj.spec.replicas == 2
+
+
+def test_enough_malformed_cases() -> None:
+    assert len(MALFORMED) >= 30
+
+
+@pytest.mark.parametrize("change,value,path,rule", MALFORMED, ids=[f"{c[0]}={c[1]!r}"[:60] for c in MALFORMED])
+def test_malformed_spec_names_field_and_rule(change: str, value: Any, path: str, rule: str) -> None:
+    obj, problems = validate_object(with_change(change, value))
+    assert obj is None
+    matching = [p for p in problems if p.path == path]
+    assert matching, f"no problem at {path}; got {[str(p) for p in problems]}"
+    assert any(rule in p.message for p in matching), [str(p) for p in matching]
+
+
+def test_all_problems_reported_at_once() -> None:
+    obj = base()
+    obj["spec"]["replicas"] = -1
+    obj["spec"]["platform"] = "gpu"
+    obj["spec"]["unknownThing"] = 1
+    obj["spec"]["attention"]["dataParallel"] = 0
+    _, problems = validate_object(obj)
+    paths = {p.path for p in problems}
+    assert {"spec.replicas", "spec.platform", "spec.unknownThing", "spec.attention.dataParallel"} <= paths
+
+
+def test_cross_field_problems_reported_together() -> None:
+    obj = base()
+    obj["spec"]["ffn"]["ranks"] = 3
+    obj["spec"]["attention"]["tensorParallel"] = 3
+    obj["spec"]["recovery"] = {"backoffSeconds": 10, "maxBackoffSeconds": 5}
+    _, problems = validate_object(obj)
+    paths = {p.path for p in problems}
+    assert {"spec.ffn.ranks", "spec.attention.tensorParallel", "spec.recovery.maxBackoffSeconds"} <= paths
+
+
+def test_percentages_resolve_against_replicas() -> None:
+    obj = base()
+    obj["spec"]["replicas"] = 4
+    obj["spec"]["updateStrategy"] = {"maxSurge": "25%", "maxUnavailable": "10%"}
+    _, problems = validate_object(obj)
+    assert problems == []  # surge rounds up to 1 instance
+
+
+def test_host_port_ranges_checked_for_every_instance() -> None:
+    obj = base()
+    obj["spec"]["replicas"] = 5
+    obj["spec"]["service"] = {"port": 1239 + 3 * 16}  # instance 3's connector port
+    _, problems = validate_object(obj)
+    assert [str(p) for p in problems] == [
+        "spec.connector.port: port 1287 collides with spec.service.port of instance 0 (instance 3); "
+        "ports must be distinct"
+    ]
+    obj["spec"]["platform"] = "cpu"  # pod networking: no per-instance shift, no collision
+    assert validate_object(obj)[1] == []
+
+
+def test_cpu_platform_ignores_host_ports() -> None:
+    obj = with_change("spec.platform", "cpu")
+    obj["spec"]["ascend"] = {"hostPortStride": 1}
+    assert validate_object(obj)[1] == []
