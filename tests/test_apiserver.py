@@ -133,7 +133,17 @@ def test_server_rejects_schema_invalid(dyn, namespace: str, examples: list[Path]
     assert field in err.value.body
 
 
+def _wait_openapi_published(cluster: ControlPlane) -> None:
+    """The apiserver publishes a new CRD's schema to /openapi/v2 a few seconds after it is
+    Established; kubectl validates against that document."""
+    deadline = time.monotonic() + 60
+    while cluster.kubectl("explain", "afd.spec.attention.tensorParallel", check=False).returncode != 0:
+        assert time.monotonic() < deadline, "AFDDeployment schema never appeared in /openapi/v2"
+        time.sleep(0.5)
+
+
 def test_kubectl_rejects_unknown_fields(cluster: ControlPlane, dyn, namespace: str, examples: list[Path]) -> None:
+    _wait_openapi_published(cluster)
     doc = copy.deepcopy(_example_docs(examples)[0])
     doc["metadata"]["namespace"] = namespace
     doc["spec"]["attention"]["tensorParalel"] = 4  # a typo must not be silently dropped
