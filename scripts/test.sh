@@ -5,7 +5,8 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
-ensure_debs etcd-server etcd-client openssl
+# prometheus brings promtool, which lints the metrics expositions.
+ensure_debs etcd-server etcd-client openssl prometheus
 AFD_KUBE_APISERVER="$("$REPO_ROOT/scripts/build-kube-apiserver.sh")"
 export AFD_KUBE_APISERVER
 VENV="$("$REPO_ROOT/scripts/dev-env.sh")"

@@ -7,9 +7,17 @@ from typing import Iterator
 
 import pytest
 
-from testbed import REPO_ROOT, ControlPlane, control_plane
+from afd_operator.devcluster import ControlPlane, control_plane
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    # A fixture, not an import: every conftest.py here is module `conftest`, so whichever
+    # pytest loaded last would answer `from conftest import ...`.
+    return REPO_ROOT
 
 
 @pytest.fixture(scope="session")

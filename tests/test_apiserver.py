@@ -16,11 +16,10 @@ from afd_operator.crd import CRD_FILE, CRD_NAME
 from afd_operator.planner import plan
 from afd_operator.render import render
 from afd_operator.validation import validate_object
-from testbed import REPO_ROOT, ControlPlane
+from afd_operator.devcluster import ControlPlane
 
 pytestmark = pytest.mark.apiserver
 
-CRD_PATH = REPO_ROOT / "crds" / CRD_FILE
 THIRD_PARTY_CRDS = Path(__file__).parent / "fixtures" / "third-party-crds.yaml"
 # The 1.20 test server predates policy/v1 PodDisruptionBudget (1.21); the v1beta1 schema of
 # the fields rendered (maxUnavailable, selector) is the same.
@@ -40,10 +39,10 @@ def _wait_established(dyn, name: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def dyn(api_client, cluster: ControlPlane):
+def dyn(api_client, cluster: ControlPlane, repo_root: Path):
     from kubernetes.dynamic import DynamicClient
 
-    for path in (CRD_PATH, THIRD_PARTY_CRDS):
+    for path in (repo_root / "crds" / CRD_FILE, THIRD_PARTY_CRDS):
         cluster.kubectl("apply", "-f", str(path))
     client = DynamicClient(api_client)
     for name in (CRD_NAME, "podgroups.scheduling.volcano.sh", "podmonitors.monitoring.coreos.com"):

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterator
 
 import yaml
 
 from afd_operator.crd import CRD_FILE, build_crd, crd_yaml
-from testbed import REPO_ROOT
 
 # Free-form by design; nothing else may preserve unknown fields.
 FREE_FORM_PATHS = {
@@ -29,8 +29,8 @@ def walk(schema: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any
         yield from walk(schema["additionalProperties"], path + "{}")
 
 
-def test_checked_in_crd_matches_the_models() -> None:
-    checked_in = (REPO_ROOT / "crds" / CRD_FILE).read_text()
+def test_checked_in_crd_matches_the_models(repo_root: Path) -> None:
+    checked_in = (repo_root / "crds" / CRD_FILE).read_text()
     assert checked_in == crd_yaml(), "crds/ is stale: run `afdctl crd > crds/" + CRD_FILE + "`"
 
 

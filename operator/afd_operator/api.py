@@ -242,6 +242,13 @@ class RecoverySpec(Strict):
     backoff_seconds: int = Field(10, ge=0)
     max_backoff_seconds: int = Field(600, ge=0)
     max_restarts: int = Field(5, ge=0, description="Consecutive failures before an instance stays down.")
+    unready_grace_seconds: int = Field(
+        60, ge=0, description="A pod of a Ready instance that stays not Ready this long fails the instance."
+    )
+    stable_seconds: int = Field(
+        600, ge=0,
+        description="An instance Ready this long after a restart has recovered: its consecutive failures reset.",
+    )
 
 
 IntOrPercent = Union[int, str]
@@ -323,13 +330,18 @@ class Condition(Strict):
 
 
 class InstanceStatus(Strict):
+    name: str = Field(description="Instance name (also its headless Service).")
     index: int
     revision: str
     phase: Literal["Pending", "Starting", "Ready", "Draining", "Failed"]
     pods_ready: int = 0
     pods_total: int = 0
-    restarts: int = 0
+    restarts: int = Field(0, description="Times the instance was recreated after a failure.")
+    consecutive_failures: int = Field(0, description="Failures since the instance was last Ready.")
     last_failure: Optional[str] = None
+    retry_after: Optional[str] = Field(None, description="When a failed instance is recreated (RFC 3339).")
+    first_ready_time: Optional[str] = Field(
+        None, description="When this world first had every pod Ready (RFC 3339); unset until then.")
 
 
 class AFDDeploymentStatus(Strict):

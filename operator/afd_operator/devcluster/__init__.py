@@ -1,0 +1,12 @@
+"""A local development cluster: a real etcd + kube-apiserver (`ControlPlane`) and a node
+stand-in that plays kubelet and scheduler for the pods it watches (`FakeKubelet`)."""
+
+from afd_operator.devcluster.controlplane import (
+    ADMIN_USER, OPERATOR_USER, WRITE_VERBS, ControlPlane, control_plane, free_port, kube_apiserver_binary,
+)
+from afd_operator.devcluster.node import FakeKubelet
+
+__all__ = [
+    "ADMIN_USER", "OPERATOR_USER", "WRITE_VERBS", "ControlPlane", "FakeKubelet", "control_plane", "free_port",
+    "kube_apiserver_binary",
+]

@@ -1,0 +1,1 @@
+"""Thin kopf handlers: they gather kopf's inputs and call plain modules."""

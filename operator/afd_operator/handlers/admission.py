@@ -1,0 +1,18 @@
+"""Validating admission: the planner's validation, every problem listed (registered by
+main.register when a webhook server is configured)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from ..validation import validate_object
+
+
+def validate_afddeployment(body: kopf.Body, **_: Any) -> None:
+    obj = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+           "metadata": dict(body.metadata), "spec": dict(body.spec)}
+    _, problems = validate_object(obj)
+    if problems:
+        raise kopf.AdmissionError("invalid AFDDeployment:\n" + "\n".join(str(p) for p in problems), code=422)

@@ -1,0 +1,60 @@
+"""kopf startup settings and handler registration: nothing else lives here."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from . import naming
+from .api import GROUP, PLURAL, VERSION
+from .handlers import children, deployments  # noqa: F401  (their decorators register the handlers)
+from .handlers.admission import validate_afddeployment
+from .metrics import OperatorMetrics
+from .reconciler import Reconciler
+from .settings import OperatorConfig
+from .wakeups import Wakeups
+from .writer import Writer
+
+WEBHOOK_CONFIGURATION = f"{GROUP}.validation"
+
+
+def register(config: OperatorConfig) -> None:
+    """Handlers that depend on the configuration (the webhook needs a server to exist)."""
+    if config.webhook is not None:
+        kopf.on.validate(GROUP, VERSION, PLURAL, id="afddeployment-validation")(validate_afddeployment)
+
+
+@kopf.on.login()
+def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    return memo.config.connection_info()
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    config: OperatorConfig = memo.config
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    # Watches end server-side before the client gives up, so a stuck connection never
+    # silences the operator.
+    settings.watching.server_timeout = config.watch_timeout_seconds
+    settings.watching.client_timeout = config.watch_timeout_seconds + 30
+    settings.watching.connect_timeout = 10
+    # The operator posts its own events (state changes only); kopf's per-handler chatter
+    # would be a write for every loop.
+    settings.posting.level = logging.WARNING
+    settings.execution.max_workers = config.max_workers
+    if config.webhook is not None:
+        settings.admission.server = kopf.WebhookServer(
+            addr=config.webhook.listen_address, port=config.webhook.port, host=config.webhook.host,
+            certfile=config.webhook.certfile, pkeyfile=config.webhook.keyfile)
+        settings.admission.managed = WEBHOOK_CONFIGURATION
+    metrics = OperatorMetrics(config.registry)
+    memo.metrics = metrics
+    memo.reconciler = Reconciler(Writer(config.api_client(), metrics), metrics)
+    memo.wakeups = Wakeups()
+    memo.resync_seconds = config.resync_seconds
+    logging.getLogger(__name__).info("afd-operator started; labels %s=%s", naming.LABEL_MANAGED_BY, naming.MANAGER)

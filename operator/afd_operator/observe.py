@@ -1,0 +1,106 @@
+"""Observed state: what the cluster says about a deployment's children. Pure parsing.
+
+Raw objects come from the operator's watch caches (kopf indexes); each is reduced to the
+few facts the controller decides on, so decisions are testable with plain data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Iterable, Mapping, Optional
+
+from . import naming
+
+def parse_time(value: Optional[str]) -> Optional[float]:
+    if not value:
+        return None
+    return datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+
+
+def format_time(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class ObservedPod:
+    name: str
+    instance: str
+    revision: str
+    index: int
+    role: str
+    ordinal: int
+    head: bool
+    phase: str  # Pending | Running | Succeeded | Failed | Unknown
+    scheduled: bool
+    ready: bool
+    ready_changed_at: Optional[float]  # lastTransitionTime of the Ready condition
+    created_at: Optional[float]
+    deleting: bool
+    serving: bool
+    drain_started_at: Optional[float]
+    termination: Optional[str]  # why the container stopped, when it did
+    unschedulable: Optional[str]  # the scheduler's message while Pending
+
+
+def _condition(status: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == kind:
+            return cond
+    return {}
+
+
+def _termination(status: Mapping[str, Any]) -> Optional[str]:
+    for cs in status.get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated")
+        if term:
+            reason = term.get("reason") or "Terminated"
+            return f"container {cs.get('name')} {reason} (exit code {term.get('exitCode')})"
+    return None
+
+
+def summarize_pod(body: Mapping[str, Any], created_at: Optional[float] = None) -> Optional[ObservedPod]:
+    """The controller's view of one pod; None for pods without the operator's labels.
+    `created_at` stands in for the server's creationTimestamp of a pod just sent."""
+    meta = body.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    try:
+        instance = labels[naming.LABEL_AFD_INSTANCE]
+        revision = labels[naming.LABEL_REVISION]
+        role = labels[naming.LABEL_ROLE]
+        ordinal = int(labels[naming.LABEL_POD_ORDINAL])
+        index = int(instance.rsplit("-", 1)[1])
+    except (KeyError, ValueError, IndexError):
+        return None
+    status = body.get("status") or {}
+    ready = _condition(status, "Ready")
+    scheduled = _condition(status, "PodScheduled")
+    spec = body.get("spec") or {}
+    return ObservedPod(
+        name=meta.get("name", ""),
+        instance=instance,
+        revision=revision,
+        index=index,
+        role=role,
+        ordinal=ordinal,
+        head=labels.get(naming.LABEL_HEAD) == "true",
+        phase=status.get("phase") or "Pending",
+        scheduled=bool(spec.get("nodeName")),
+        ready=ready.get("status") == "True",
+        ready_changed_at=parse_time(ready.get("lastTransitionTime")),
+        created_at=parse_time(meta.get("creationTimestamp")) or created_at,
+        deleting=bool(meta.get("deletionTimestamp")),
+        serving=labels.get(naming.LABEL_SERVING) == "true",
+        drain_started_at=parse_time((meta.get("annotations") or {}).get(naming.ANNOTATION_DRAIN_STARTED)),
+        termination=_termination(status),
+        unschedulable=scheduled.get("message") if scheduled.get("reason") == "Unschedulable" else None,
+    )
+
+
+def group_by_instance(pods: Iterable[ObservedPod]) -> dict[str, list[ObservedPod]]:
+    groups: dict[str, list[ObservedPod]] = {}
+    for pod in pods:
+        groups.setdefault(pod.instance, []).append(pod)
+    for members in groups.values():
+        members.sort(key=lambda p: (p.role, p.ordinal))
+    return groups

@@ -1,0 +1,120 @@
+"""The one place where the operator writes to the Kubernetes API.
+
+Every create/patch/delete goes through `Writer`, which counts it by verb and kind, treats
+"already exists" / "already gone" as success (a restarted operator adopts what exists),
+and maps `policy/v1` PodDisruptionBudgets to `policy/v1beta1` on servers older than 1.21.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from datetime import datetime, timezone
+from typing import Any, Mapping, Optional
+
+from kubernetes.client import ApiClient
+from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import ConflictError, NotFoundError, ResourceNotFoundError
+
+from .api import API_VERSION, KIND
+from .metrics import OperatorMetrics
+
+log = logging.getLogger(__name__)
+MERGE_PATCH = "application/merge-patch+json"
+COMPONENT = "afd-operator"
+
+
+class Writer:
+    def __init__(self, api_client: ApiClient, metrics: OperatorMetrics):
+        self.dyn = DynamicClient(api_client)
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        self._served: dict[tuple[str, str], bool] = {}
+
+    # -- discovery ----------------------------------------------------------------------
+    def _resource(self, api_version: str, kind: str):
+        return self.dyn.resources.get(api_version=api_version, kind=kind)
+
+    def serves(self, api_version: str, kind: str) -> bool:
+        key = (api_version, kind)
+        with self._lock:
+            if key not in self._served:
+                try:
+                    self._resource(api_version, kind)
+                    self._served[key] = True
+                except ResourceNotFoundError:
+                    self._served[key] = False
+            return self._served[key]
+
+    def served_version(self, api_version: str, kind: str) -> str:
+        if (api_version, kind) == ("policy/v1", "PodDisruptionBudget") and not self.serves(api_version, kind):
+            return "policy/v1beta1"
+        return api_version
+
+    # -- reads used to avoid writes ------------------------------------------------------
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Optional[dict[str, Any]]:
+        version = self.served_version(api_version, kind)
+        try:
+            return self._resource(version, kind).get(name=name, namespace=namespace).to_dict()
+        except NotFoundError:
+            return None
+
+    # -- writes ---------------------------------------------------------------------------
+    def _count(self, verb: str, kind: str) -> None:
+        self.metrics.api_writes.labels(verb, kind).inc()
+
+    def create(self, obj: Mapping[str, Any]) -> None:
+        version = self.served_version(obj["apiVersion"], obj["kind"])
+        body = {**obj, "apiVersion": version}
+        self._count("create", obj["kind"])
+        try:
+            self._resource(version, obj["kind"]).create(body=body, namespace=obj["metadata"].get("namespace"))
+        except ConflictError:
+            log.debug("%s %s already exists", obj["kind"], obj["metadata"]["name"])
+
+    def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        version = self.served_version(api_version, kind)
+        self._count("patch", kind)
+        try:
+            self._resource(version, kind).patch(body=dict(patch), name=name, namespace=namespace,
+                                                content_type=MERGE_PATCH)
+        except NotFoundError:
+            log.debug("%s %s vanished before patch", kind, name)
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        version = self.served_version(api_version, kind)
+        self._count("delete", kind)
+        try:
+            self._resource(version, kind).delete(name=name, namespace=namespace)
+        except NotFoundError:
+            pass
+
+    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> Optional[str]:
+        """Write the status subresource; returns the object's new resourceVersion."""
+        self._count("patch", f"{KIND}/status")
+        resource = self._resource(API_VERSION, KIND)
+        try:
+            result = resource.status.patch(body={"status": dict(status)}, name=name, namespace=namespace,
+                                           content_type=MERGE_PATCH)
+        except NotFoundError:
+            return None
+        return result.metadata.resourceVersion
+
+    def event(self, owner: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        meta = owner["metadata"]
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"],
+                               "namespace": meta["namespace"], "uid": meta.get("uid")},
+            "type": type_, "reason": reason, "message": message[:1024],
+            "source": {"component": COMPONENT}, "reportingComponent": COMPONENT,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        self._count("create", "Event")
+        try:
+            self._resource("v1", "Event").create(body=body, namespace=meta["namespace"])
+        except Exception:  # events are best effort: never fail a reconcile for one
+            log.warning("could not post event %s: %s", reason, message, exc_info=True)

@@ -1,0 +1,244 @@
+"""Strict parsing of the ``afd`` block of vLLM's ``--additional-config``.
+
+Keys follow the afd-plugin spellings; the older ``afd_*`` spellings used by vLLM's AFD
+prototype are accepted as aliases. Every error names the field path and the rule broken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+DEFAULT_RENDEZVOUS_PORT = 1239
+DEFAULT_TIMEOUT_SECONDS = 60.0
+
+ROLES = ("attention", "ffn")
+PLACEMENTS = ("attention", "ffn")
+PARTITIONS = ("affinity", "contiguous")
+
+# Connector name -> whether it serves work items asynchronously (header-driven, arrival order).
+CONNECTORS = {"p2p": True}
+CONNECTOR_ALIASES = {"p2pconnector": "p2p", "torch_p2p": "p2p"}
+
+KEY_ALIASES = {
+    "afd_role": "role",
+    "afd_connector": "connector",
+    "async_dp": "async",
+    "afd_host": "host",
+    "afd_port": "port",
+    "num_afd_stages": "num_stages",
+    "afd_extra_config": "connector_extra_config",
+}
+TOP_LEVEL_KEYS = (
+    "role",
+    "connector",
+    "async",
+    "host",
+    "port",
+    "num_attention_ranks",
+    "num_ffn_ranks",
+    "num_stages",
+    "compute_gate_on_attention",
+    "connector_extra_config",
+    "shared_experts",
+    "metrics_port",
+    "health_port",
+    "timeout_seconds",
+)
+EXTRA_KEYS = ("attn_ranks_per_dp", "dynamicQuant")
+SHARED_KEYS = ("placement", "partition")
+
+
+class AFDConfigError(ValueError):
+    """Invalid ``afd`` configuration; the message starts with the field path."""
+
+    def __init__(self, path: str, rule: str, value: Any = None, *, show_value: bool = True):
+        self.path = path
+        self.rule = rule
+        suffix = f" (got {value!r})" if show_value else ""
+        super().__init__(f"{path}: {rule}{suffix}")
+
+
+@dataclass(frozen=True)
+class SharedExpertsConfig:
+    # "attention" keeps the pre-existing behaviour; "ffn" is the opt-in new placement.
+    placement: str = "attention"
+    partition: str = "affinity"
+
+
+@dataclass(frozen=True)
+class AFDConfig:
+    role: str
+    num_attention_ranks: int
+    num_ffn_ranks: int
+    connector: str = "p2p"
+    async_dp: bool = True
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_RENDEZVOUS_PORT
+    num_stages: int = 1
+    compute_gate_on_attention: bool = True
+    attn_ranks_per_dp: int = 1
+    dynamic_quant: int = 0
+    shared_experts: SharedExpertsConfig = field(default_factory=SharedExpertsConfig)
+    metrics_port: int | None = None
+    health_port: int | None = None
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+
+    @property
+    def world_size(self) -> int:
+        return self.num_attention_ranks + self.num_ffn_ranks
+
+    def ffn_world_rank(self, ffn_index: int) -> int:
+        return self.num_attention_ranks + ffn_index
+
+    def validate_for_model(self, num_routed_experts: int, *, field_path: str = "afd.num_ffn_ranks") -> None:
+        """Rules that need the model: expert-parallel split must be even."""
+        if num_routed_experts % self.num_ffn_ranks != 0:
+            raise AFDConfigError(
+                field_path,
+                f"must divide the model's {num_routed_experts} routed experts evenly",
+                self.num_ffn_ranks,
+            )
+
+
+def _check_keys(block: Mapping[str, Any], allowed: tuple[str, ...], path: str) -> dict[str, Any]:
+    if not isinstance(block, Mapping):
+        raise AFDConfigError(path, "must be a mapping", block)
+    normalized: dict[str, Any] = {}
+    for key, value in block.items():
+        canonical = KEY_ALIASES.get(key, key) if path == "afd" else key
+        if canonical not in allowed:
+            raise AFDConfigError(f"{path}.{key}", f"unknown key; allowed: {', '.join(allowed)}", value)
+        if canonical in normalized:
+            raise AFDConfigError(f"{path}.{key}", f"duplicates {canonical!r} (alias and canonical spelling both set)", value)
+        normalized[canonical] = value
+    return normalized
+
+
+def _as_int(value: Any, path: str, *, minimum: int, maximum: int | None = None) -> int:
+    # afd-plugin examples pass numbers as JSON strings ("29500"); accept decimal strings too.
+    if isinstance(value, bool):
+        raise AFDConfigError(path, "must be an integer", value)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        parsed = int(value.strip())
+    elif isinstance(value, int):
+        parsed = value
+    else:
+        raise AFDConfigError(path, "must be an integer", value)
+    if parsed < minimum or (maximum is not None and parsed > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise AFDConfigError(path, f"must be {bound}", value)
+    return parsed
+
+
+def _as_bool(value: Any, path: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise AFDConfigError(path, "must be a boolean (true|false)", value)
+
+
+def _as_choice(value: Any, path: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise AFDConfigError(path, f"must be one of {', '.join(choices)}", value)
+    return value
+
+
+def _as_port(value: Any, path: str) -> int:
+    return _as_int(value, path, minimum=0, maximum=65535)
+
+
+def parse_afd_config(additional_config: Mapping[str, Any]) -> AFDConfig:
+    """Parse vLLM's ``additional_config`` mapping (which must hold an ``afd`` block)."""
+    if not isinstance(additional_config, Mapping) or "afd" not in additional_config:
+        raise AFDConfigError("afd", "missing: the additional config has no 'afd' block", show_value=False)
+    raw = _check_keys(additional_config["afd"], TOP_LEVEL_KEYS, "afd")
+
+    for required in ("role", "num_attention_ranks", "num_ffn_ranks"):
+        if required not in raw:
+            raise AFDConfigError(f"afd.{required}", "is required", show_value=False)
+    role = _as_choice(raw["role"], "afd.role", ROLES)
+    num_attention = _as_int(raw["num_attention_ranks"], "afd.num_attention_ranks", minimum=1)
+    num_ffn = _as_int(raw["num_ffn_ranks"], "afd.num_ffn_ranks", minimum=1)
+
+    connector_name = raw.get("connector", "p2p")
+    if not isinstance(connector_name, str):
+        raise AFDConfigError("afd.connector", "must be a string", connector_name)
+    connector = CONNECTOR_ALIASES.get(connector_name.lower(), connector_name.lower())
+    if connector not in CONNECTORS:
+        known = ", ".join(sorted(CONNECTORS) + sorted(CONNECTOR_ALIASES))
+        raise AFDConfigError("afd.connector", f"unknown connector; known: {known}", connector_name)
+    async_dp = _as_bool(raw.get("async", True), "afd.async")
+
+    host = raw.get("host", "127.0.0.1")
+    if not isinstance(host, str) or not host.strip() or any(c.isspace() for c in host):
+        raise AFDConfigError("afd.host", "must be a non-empty IP address or DNS name", host)
+    port = _as_int(raw.get("port", DEFAULT_RENDEZVOUS_PORT), "afd.port", minimum=1, maximum=65535)
+    num_stages = _as_int(raw.get("num_stages", 1), "afd.num_stages", minimum=1, maximum=64)
+    gate_on_attention = _as_bool(raw.get("compute_gate_on_attention", True), "afd.compute_gate_on_attention")
+
+    extra = _check_keys(raw.get("connector_extra_config", {}), EXTRA_KEYS, "afd.connector_extra_config")
+    attn_per_dp = _as_int(extra.get("attn_ranks_per_dp", 1), "afd.connector_extra_config.attn_ranks_per_dp", minimum=1)
+    if num_attention % attn_per_dp != 0:
+        raise AFDConfigError(
+            "afd.connector_extra_config.attn_ranks_per_dp",
+            f"must divide afd.num_attention_ranks ({num_attention} = DP x TP)",
+            attn_per_dp,
+        )
+    dynamic_quant = _as_int(extra.get("dynamicQuant", 0), "afd.connector_extra_config.dynamicQuant", minimum=0, maximum=1)
+
+    shared_raw = _check_keys(raw.get("shared_experts", {}), SHARED_KEYS, "afd.shared_experts")
+    shared = SharedExpertsConfig(
+        placement=_as_choice(shared_raw.get("placement", "attention"), "afd.shared_experts.placement", PLACEMENTS),
+        partition=_as_choice(shared_raw.get("partition", "affinity"), "afd.shared_experts.partition", PARTITIONS),
+    )
+    if shared.placement == "ffn":
+        # FFN-side shared experts ride in the dispatch header: needs the async, header-driven path.
+        if not async_dp or not CONNECTORS[connector]:
+            raise AFDConfigError(
+                "afd.shared_experts.placement",
+                "'ffn' requires an async connector (afd.async: true)",
+                shared.placement,
+            )
+        # Both partitions are derived from the top-k ids, so the gate must run on Attention.
+        if not gate_on_attention:
+            raise AFDConfigError(
+                "afd.shared_experts.placement",
+                "'ffn' requires afd.compute_gate_on_attention: true",
+                shared.placement,
+            )
+    if dynamic_quant and shared.placement == "ffn":
+        raise AFDConfigError(
+            "afd.connector_extra_config.dynamicQuant",
+            "quantized dispatch is not supported with shared_experts.placement 'ffn'",
+            dynamic_quant,
+        )
+
+    metrics_port = None if raw.get("metrics_port") is None else _as_port(raw["metrics_port"], "afd.metrics_port")
+    health_port = None if raw.get("health_port") is None else _as_port(raw["health_port"], "afd.health_port")
+    for name, value in (("metrics_port", metrics_port), ("health_port", health_port)):
+        if value is not None and value != 0 and value == port:
+            raise AFDConfigError(f"afd.{name}", "must differ from afd.port (the rendezvous port)", value)
+
+    timeout = raw.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise AFDConfigError("afd.timeout_seconds", "must be a positive number of seconds", timeout)
+
+    return AFDConfig(
+        role=role,
+        num_attention_ranks=num_attention,
+        num_ffn_ranks=num_ffn,
+        connector=connector,
+        async_dp=async_dp,
+        host=host.strip(),
+        port=port,
+        num_stages=num_stages,
+        compute_gate_on_attention=gate_on_attention,
+        attn_ranks_per_dp=attn_per_dp,
+        dynamic_quant=dynamic_quant,
+        shared_experts=shared,
+        metrics_port=metrics_port,
+        health_port=health_port,
+        timeout_seconds=float(timeout),
+    )

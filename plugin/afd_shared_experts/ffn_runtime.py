@@ -1,0 +1,111 @@
+"""FFN side: serve work items from any Attention rank, always reply."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import torch
+
+from .compute import shared_expert_output, swiglu
+from .connector import AFDConnector, WorkItem
+from .errors import AFDError, ConnectorClosedError, PayloadError
+from .metrics import RuntimeMetrics
+from .model import FFNMoEWeights
+
+
+class FFNRuntime:
+    def __init__(self, connector: AFDConnector, weights: dict[int, FFNMoEWeights], metrics: RuntimeMetrics | None = None):
+        self.connector, self.weights, self.metrics = connector, weights, metrics
+        self.shared_tokens = 0
+        self.zero_token_replies = Counter()  # kind -> count
+        self.items_served = 0
+        self.error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.connector.is_initialized and bool(self.weights) and self.error is None
+
+    def process(self, item: WorkItem) -> tuple[torch.Tensor, int, int]:
+        """Reply rows for one work item: routed outputs (wire order), then shared outputs."""
+        layer = self.weights.get(item.layer)
+        if layer is None:
+            raise PayloadError(f"work item from Attention rank {item.source}: layer {item.layer} is not a MoE layer "
+                               f"held here (held: {sorted(self.weights)})")
+        payload = item.payload
+        x = payload.rows
+        routed_rows, shared_rows = payload.routed_rows, payload.shared_rows
+        out = x.new_empty(routed_rows + shared_rows, x.shape[1])
+        shared_inputs, offset = [], 0
+        for expert, (count, prefix) in enumerate(zip(payload.routed_counts, payload.shared_prefix)):
+            if count:  # skip the empty GEMM
+                rows = x[offset:offset + count]
+                out[offset:offset + count] = swiglu(rows, layer.routed.gate_up[expert], layer.routed.down[expert])
+                if prefix:
+                    shared_inputs.append(rows[:prefix])
+            offset += count
+        if payload.shared_extra:
+            shared_inputs.append(x[routed_rows:])
+        if shared_rows:
+            if layer.shared is None:
+                raise PayloadError(f"work item from Attention rank {item.source}: {shared_rows} shared rows but this "
+                                   "FFN rank holds no shared expert (placement is 'attention')")
+            out[routed_rows:] = shared_expert_output(torch.cat(shared_inputs), layer.shared)
+        self._record(item, routed_rows, shared_rows)
+        return out, routed_rows, shared_rows
+
+    def _record(self, item: WorkItem, routed_rows: int, shared_rows: int) -> None:
+        self.items_served += 1
+        self.shared_tokens += shared_rows
+        for kind, rows in (("routed", routed_rows), ("shared", shared_rows)):
+            if rows == 0:
+                self.zero_token_replies[kind] += 1
+            if self.metrics is not None:
+                self.metrics.tokens_received.labels(kind=kind, layer=str(item.layer)).inc(rows)
+                if rows == 0:
+                    self.metrics.zero_token_replies.labels(kind=kind).inc()
+
+    def serve(self) -> None:
+        """Run until every Attention rank has shut down or ``stop()`` closes the connector."""
+        try:
+            while True:
+                item = self.connector.receive_work()
+                if item is None:
+                    return
+                rows, routed_rows, shared_rows = self.process(item)
+                self.connector.send_reply(item, rows, routed_rows, shared_rows)
+        except ConnectorClosedError:
+            if not self._stopping.is_set():
+                raise
+        except BaseException as exc:
+            if self.metrics is not None:
+                self.metrics.errors.labels(kind=type(exc).__name__).inc()
+            raise
+
+    def start(self) -> "FFNRuntime":
+        def run():
+            try:
+                self.serve()
+            except BaseException as exc:  # stored; surfaced by stop()/join()
+                self.error = exc
+
+        self._thread = threading.Thread(target=run, name="afd-ffn-runtime", daemon=True)
+        self._thread.start()
+        return self
+
+    def join(self, timeout: float) -> None:
+        """Wait for the loop to end by itself (shutdown notices); re-raise its stored error."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise AFDError(f"FFN runtime did not finish within {timeout}s")
+        if self.error is not None:
+            raise self.error
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Close the connector (unblocking the loop) and wait a bounded time."""
+        self._stopping.set()
+        self.connector.close()
+        if self._thread is not None:
+            self.join(timeout)

@@ -1,0 +1,309 @@
+"""Test helpers: tiny random HF checkpoints, the HF transformers oracle, in-process ranks."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from afd_shared_experts.model import DTYPES
+
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "qwen2_moe")
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
+
+
+def model_config(model_type: str, *, hidden: int = 32, inter: int = 16, experts: int = 8, top_k: int = 2,
+                 layers: int = 2, **overrides) -> dict:
+    common = {"hidden_size": hidden, "moe_intermediate_size": inter, "num_experts_per_tok": top_k,
+              "num_hidden_layers": layers, "hidden_act": "silu", "intermediate_size": 2 * inter,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 64, "rms_norm_eps": 1e-6}
+    if model_type == "deepseek_v2":
+        cfg = {**common, "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"],
+               "n_routed_experts": experts, "n_shared_experts": 1, "routed_scaling_factor": 1.5,
+               "topk_method": "greedy", "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
+               "first_k_dense_replace": 0, "moe_layer_freq": 1}
+    elif model_type == "deepseek_v3":
+        cfg = {**common, "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+               "n_routed_experts": experts, "n_shared_experts": 2, "routed_scaling_factor": 2.5,
+               "n_group": 4, "topk_group": 2, "norm_topk_prob": True, "first_k_dense_replace": 0,
+               "moe_layer_freq": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+    elif model_type == "qwen2_moe":
+        cfg = {**common, "model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"],
+               "num_experts": experts, "shared_expert_intermediate_size": 2 * inter, "norm_topk_prob": False,
+               "decoder_sparse_step": 1, "mlp_only_layers": []}
+    else:
+        raise ValueError(model_type)
+    cfg.update(overrides)
+    return cfg
+
+
+def write_checkpoint(directory: Path, model_type: str, *, seed: int = 0, **overrides) -> Path:
+    """config.json + model.safetensors with classic per-expert HF tensor names."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = model_config(model_type, **overrides)
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    experts = cfg["n_routed_experts"] if model_type != "qwen2_moe" else cfg["num_experts"]
+
+    def rand(*shape, scale=None):
+        scale = scale if scale is not None else shape[-1] ** -0.5
+        return torch.randn(*shape, generator=gen) * scale
+
+    tensors = {}
+    if model_type == "qwen2_moe":
+        first_moe = [l for l in range(cfg["num_hidden_layers"]) if (l + 1) % cfg["decoder_sparse_step"] == 0]
+        shared_name, shared_inter = "shared_expert", cfg["shared_expert_intermediate_size"]
+    else:
+        first_moe = [l for l in range(cfg["num_hidden_layers"]) if l >= cfg["first_k_dense_replace"]]
+        shared_name, shared_inter = "shared_experts", inter * cfg["n_shared_experts"]
+    for layer in first_moe:
+        base = f"model.layers.{layer}.mlp"
+        tensors[f"{base}.gate.weight"] = rand(experts, hidden, scale=1.0)
+        if model_type == "deepseek_v3":
+            tensors[f"{base}.gate.e_score_correction_bias"] = rand(experts, scale=0.1)
+        for e in range(experts):
+            tensors[f"{base}.experts.{e}.gate_proj.weight"] = rand(inter, hidden)
+            tensors[f"{base}.experts.{e}.up_proj.weight"] = rand(inter, hidden)
+            tensors[f"{base}.experts.{e}.down_proj.weight"] = rand(hidden, inter)
+        tensors[f"{base}.{shared_name}.gate_proj.weight"] = rand(shared_inter, hidden)
+        tensors[f"{base}.{shared_name}.up_proj.weight"] = rand(shared_inter, hidden)
+        tensors[f"{base}.{shared_name}.down_proj.weight"] = rand(hidden, shared_inter)
+        if model_type == "qwen2_moe":
+            tensors[f"{base}.shared_expert_gate.weight"] = rand(1, hidden)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    return directory
+
+
+def oracle_module(model_dir: Path, layer: int, dtype: str):
+    """The HF transformers MoE module of ``layer`` with the checkpoint's weights."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    model_type = cfg.model_type
+    if model_type == "deepseek_v2":
+        from transformers.models.deepseek_v2 import modeling_deepseek_v2 as mod
+
+        module_cls = getattr(mod, "DeepseekV2MoE", None) or getattr(mod, "DeepseekV2Moe")
+        shared_name = "shared_experts"
+    elif model_type == "deepseek_v3":
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as module_cls
+
+        shared_name = "shared_experts"
+    else:
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock as module_cls
+
+        shared_name = "shared_expert"
+    module = module_cls(cfg)
+    base = f"model.layers.{layer}.mlp"
+    with safe_open(str(Path(model_dir) / "model.safetensors"), framework="pt") as f:
+        get = f.get_tensor
+        with torch.no_grad():
+            module.gate.weight.copy_(get(f"{base}.gate.weight"))
+            if model_type == "deepseek_v3":
+                module.gate.e_score_correction_bias.copy_(get(f"{base}.gate.e_score_correction_bias"))
+            for e in range(module.experts.gate_up_proj.shape[0]):
+                p = f"{base}.experts.{e}"
+                module.experts.gate_up_proj[e].copy_(torch.cat([get(f"{p}.gate_proj.weight"), get(f"{p}.up_proj.weight")]))
+                module.experts.down_proj[e].copy_(get(f"{p}.down_proj.weight"))
+            shared = getattr(module, shared_name)
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                getattr(shared, proj).weight.copy_(get(f"{base}.{shared_name}.{proj}.weight"))
+            if model_type == "qwen2_moe":
+                module.shared_expert_gate.weight.copy_(get(f"{base}.shared_expert_gate.weight"))
+    return module.to(DTYPES[dtype]).eval()
+
+
+def oracle_outputs(model_dir: Path, hidden_states: torch.Tensor, dtype: str, layers) -> dict[int, torch.Tensor]:
+    outputs = {}
+    for layer in layers:
+        module = oracle_module(model_dir, layer, dtype)
+        x = hidden_states.to(DTYPES[dtype])
+        with torch.no_grad():
+            outputs[layer] = module(x.unsqueeze(0)).squeeze(0).float() if x.shape[0] else torch.zeros(0, x.shape[1])
+    return outputs
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    if expected.numel() == 0:
+        return 0.0
+    return float((actual.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-12))
+
+
+def assert_matches_oracle(actual: dict, expected: dict, dtype: str) -> None:
+    assert sorted(actual) == sorted(expected)
+    for layer in expected:
+        assert actual[layer].shape == expected[layer].shape, (layer, actual[layer].shape, expected[layer].shape)
+        error = relative_error(actual[layer], expected[layer])
+        assert error <= TOLERANCE[dtype], f"layer {layer}: relative error {error:.3g} > {TOLERANCE[dtype]} ({dtype})"
+
+
+def run_threads(targets: list, timeout: float = 120.0) -> list:
+    """Run callables in threads (each builds its own rank); return results, re-raise the first error."""
+    results: list = [None] * len(targets)
+    errors: list = []
+
+    def wrap(i, fn):
+        try:
+            results[i] = fn()
+        except BaseException as exc:  # collected and re-raised in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wrap, args=(i, fn), daemon=True) for i, fn in enumerate(targets)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if errors:
+        raise errors[0]
+    alive = [t for t in threads if t.is_alive()]
+    assert not alive, f"{len(alive)} rank thread(s) still running after {timeout}s"
+    return results
+
+
+class ThreadWorld:
+    """A + F real ranks (gloo over loopback) as threads of the test process: one rendezvous,
+    then any number of steps. Cheaper than processes, same code paths."""
+
+    def __init__(self, model_dir, attention_ranks: int, ffn_ranks: int, *, placement: str = "ffn",
+                 partition: str = "affinity", dtype: str = "float32", timeout: float = 20.0,
+                 transport_wrapper=None, with_metrics: bool = False):
+        from afd_shared_experts.attention import AttentionMoELayer, RemoteMoE
+        from afd_shared_experts.connector import P2PConnector
+        from afd_shared_experts.ffn_runtime import FFNRuntime
+        from afd_shared_experts.metrics import RuntimeMetrics
+        from afd_shared_experts.model import load_attention_weights, load_ffn_weights, load_spec
+        from afd_shared_experts.selfcheck import free_port
+
+        self.spec = spec = load_spec(model_dir)
+        self.attention_ranks, self.ffn_ranks, self.dtype = attention_ranks, ffn_ranks, dtype
+        torch_dtype = DTYPES[dtype]
+        port = free_port()
+
+        def connector(role, rank):
+            metrics = RuntimeMetrics(role) if with_metrics else None
+            return P2PConnector(role=role, rank=rank, num_attention_ranks=attention_ranks, num_ffn_ranks=ffn_ranks,
+                                host="127.0.0.1", port=port, hidden_size=spec.hidden_size,
+                                local_experts=spec.local_experts(ffn_ranks), dtype=torch_dtype, timeout_seconds=timeout,
+                                metrics=metrics, transport_wrapper=transport_wrapper)
+
+        self.attention_connectors = [connector("attention", a) for a in range(attention_ranks)]
+        self.ffn_connectors = [connector("ffn", attention_ranks + f) for f in range(ffn_ranks)]
+        all_connectors = self.attention_connectors + self.ffn_connectors
+        try:
+            run_threads([c.init for c in all_connectors], timeout=timeout + 10)
+        except BaseException:
+            for c in all_connectors:
+                c.close()
+            raise
+        self.attention_weights = [load_attention_weights(model_dir, spec, placement, torch_dtype)
+                                  for _ in range(attention_ranks)]
+        self.ffn_weights = [load_ffn_weights(model_dir, spec, placement, f, ffn_ranks, torch_dtype)
+                            for f in range(ffn_ranks)]
+        self.layers = [
+            {l: AttentionMoELayer(w.gate, RemoteMoE(spec=spec, layer=l, connector=c, num_ffn_ranks=ffn_ranks,
+                                                    placement=placement, partition=partition, dtype=torch_dtype,
+                                                    shared=w.shared, metrics=c.metrics))
+             for l, w in weights.items()}
+            for c, weights in zip(self.attention_connectors, self.attention_weights)
+        ]
+        self.runtimes = [FFNRuntime(c, w, metrics=c.metrics).start() for c, w in zip(self.ffn_connectors, self.ffn_weights)]
+
+    def run(self, hidden_states: torch.Tensor, *, model_units: bool = True) -> dict[int, torch.Tensor]:
+        """Every MoE layer on the same input, tokens split contiguously across Attention ranks."""
+        from afd_shared_experts.selfcheck import token_range
+
+        num_tokens = hidden_states.shape[0]
+
+        def rank_job(a):
+            x = hidden_states[slice(*token_range(a, num_tokens, self.attention_ranks))]
+            return {l: layer.forward(x) for l, layer in self.layers[a].items()}
+
+        per_rank = run_threads([lambda a=a: rank_job(a) for a in range(self.attention_ranks)])
+        scale = self.spec.routed_scaling_factor if (self.dtype == "float16" and model_units) else 1.0
+        return {l: torch.cat([r[l].float() for r in per_rank]) * scale for l in self.spec.moe_layers}
+
+    def close(self, timeout: float = 20.0) -> None:
+        """Attention ranks send shutdown notices; FFN loops must end by themselves."""
+        for c in self.attention_connectors:
+            c.close()
+        errors = []
+        for runtime in self.runtimes:
+            try:
+                runtime.join(timeout)
+            except BaseException as exc:
+                errors.append(exc)
+            runtime.connector.close()
+        if errors:
+            raise errors[0]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class DelayedCompletionTransport:
+    """Fault injector: completions arrive late. Receives land in a staging buffer and reach
+    the caller's tensor only at completion (the caller's tensor is poisoned until then);
+    sends read the caller's tensor only at completion and record a violation if it changed
+    since the send was posted. A connector that reads early or reuses a buffer in flight
+    produces wrong numbers or violations."""
+
+    def __init__(self, inner, delay: float = 0.002):
+        self.inner, self.delay = inner, delay
+        self.violations: list[str] = []
+
+    def isend(self, tensor, dst, tag):
+        snapshot = tensor.clone()
+        transport = self
+
+        class Handle:
+            def wait(self):
+                time.sleep(transport.delay)
+                if not torch.equal(tensor, snapshot):
+                    transport.violations.append(f"send to {dst} tag {tag}: buffer modified while in flight")
+                transport.inner.isend(tensor, dst, tag).wait()
+
+        return Handle()
+
+    def irecv(self, tensor, src, tag):
+        staging = torch.empty_like(tensor)
+        tensor.fill_(-777 if not tensor.is_floating_point() else float("nan"))
+        inner = self.inner.irecv(staging, src, tag)
+        transport = self
+
+        class Handle:
+            def wait(self):
+                inner.wait()
+                time.sleep(transport.delay)
+                tensor.copy_(staging)
+
+        return Handle()
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def attention_rank_that_idles(model_dir, port: int, attention_ranks: int, ffn_ranks: int, rank: int) -> None:
+    """Child process body: an Attention rank that joins the world and then does nothing."""
+    from afd_shared_experts.connector import P2PConnector
+    from afd_shared_experts.model import load_spec
+
+    torch.set_num_threads(1)
+    spec = load_spec(model_dir)
+    connector = P2PConnector(role="attention", rank=rank, num_attention_ranks=attention_ranks, num_ffn_ranks=ffn_ranks,
+                             host="127.0.0.1", port=port, hidden_size=spec.hidden_size,
+                             local_experts=spec.local_experts(ffn_ranks), dtype=torch.float32, timeout_seconds=3)
+    connector.init()
+    time.sleep(600)

@@ -1,0 +1,378 @@
+"""Connector, FFN loop and Attention-side behaviours over real gloo ranks."""
+
+import dataclasses
+import multiprocessing
+import threading
+import time
+import urllib.error
+import urllib.request
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from afd_shared_experts.attention import AttentionMoELayer, RemoteMoE
+from afd_shared_experts.compute import route
+from afd_shared_experts.connector import P2PConnector
+from afd_shared_experts.device import resolve_device
+from afd_shared_experts.errors import ConnectorClosedError, DeviceUnavailableError, PairingError, PeerLostError
+from afd_shared_experts.ffn_runtime import FFNRuntime
+from afd_shared_experts.metrics import ProbeServer
+from afd_shared_experts.model import (CheckpointReader, load_attention_weights, load_ffn_weights, load_spec,
+                                      tensor_bytes)
+from afd_shared_experts.selfcheck import RunSpec, free_port, run_ffn_rank
+from afd_shared_experts.tp import all_gather_and_trim, shard_tokens
+from plugin_harness import (DelayedCompletionTransport, ThreadWorld, assert_matches_oracle,
+                            attention_rank_that_idles, oracle_outputs, rss_bytes, run_threads)
+
+
+def connectors(model_dir, attention_ranks, ffn_ranks, timeout=10.0, dtype=torch.float32):
+    spec = load_spec(model_dir)
+    port = free_port()
+    made = [P2PConnector(role="attention" if r < attention_ranks else "ffn", rank=r,
+                         num_attention_ranks=attention_ranks, num_ffn_ranks=ffn_ranks, host="127.0.0.1", port=port,
+                         hidden_size=spec.hidden_size, local_experts=spec.local_experts(ffn_ranks), dtype=dtype,
+                         timeout_seconds=timeout)
+            for r in range(attention_ranks + ffn_ranks)]
+    run_threads([c.init for c in made])
+    return spec, made
+
+
+def test_zero_token_ranks_always_get_replies(checkpoints):
+    model_dir = checkpoints["deepseek_v3"]
+    spec = load_spec(model_dir)
+    x = torch.randn(1, spec.hidden_size)
+    with ThreadWorld(model_dir, 2, 4, placement="ffn") as world:
+        out = world.run(x)  # Attention rank 0 has no token; 3 of 4 FFN ranks get no shared row
+        zero = dict(sum((r.zero_token_replies for r in world.runtimes), start=__import__("collections").Counter()))
+        served = sum(r.items_served for r in world.runtimes)
+    assert_matches_oracle(out, oracle_outputs(model_dir, x, "float32", spec.moe_layers), "float32")
+    assert served == 2 * 4 * len(spec.moe_layers)  # every FFN rank answered every dispatch
+    assert zero["shared"] == served - len(spec.moe_layers)
+    assert zero["routed"] >= 4 * len(spec.moe_layers)  # all of rank 0's dispatches are empty
+
+
+def test_padding_rows_are_never_dispatched(checkpoints):
+    model_dir = checkpoints["qwen2_moe"]
+    spec = load_spec(model_dir)
+    x = torch.randn(5, spec.hidden_size)
+    padded = torch.cat([x, torch.full((3, spec.hidden_size), 1e4)])
+    with ThreadWorld(model_dir, 1, 2, placement="ffn") as world:
+        layer = spec.moe_layers[0]
+        out = world.layers[0][layer].forward(padded, num_tokens=5)
+        routed = sum(c.sent_bytes["routed_rows"] for c in world.attention_connectors)
+    expected = oracle_outputs(model_dir, x, "float32", [layer])[layer]
+    assert_matches_oracle({layer: out[:5]}, {layer: expected}, "float32")
+    assert torch.equal(out[5:], torch.zeros(3, spec.hidden_size))
+    assert routed == 5 * spec.top_k * spec.hidden_size * 4
+
+
+def test_stages_complete_out_of_order_and_pair_correctly(checkpoints):
+    model_dir = checkpoints["deepseek_v2"]
+    spec, (attention, ffn) = connectors(model_dir, 1, 1)
+    weights = load_attention_weights(model_dir, spec, "ffn", torch.float32)
+    runtime = FFNRuntime(ffn, load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32)).start()
+    try:
+        xs = [torch.randn(6, spec.hidden_size), torch.randn(9, spec.hidden_size)]
+        remotes, pendings = [], []
+        for stage, layer in enumerate(spec.moe_layers):
+            remote = RemoteMoE(spec=spec, layer=layer, connector=attention, num_ffn_ranks=1, placement="ffn",
+                               partition="affinity", dtype=torch.float32)
+            ids, w = route(spec, weights[layer].gate, xs[stage])
+            remotes.append(remote)
+            pendings.append(remote.dispatch(xs[stage], ids, w, stage=stage))
+        outs = {layer: remotes[stage].combine(pendings[stage]) for stage, layer in reversed(list(enumerate(spec.moe_layers)))}
+        for stage, layer in enumerate(spec.moe_layers):
+            expected = oracle_outputs(model_dir, xs[stage], "float32", [layer])
+            assert_matches_oracle({layer: outs[layer]}, expected, "float32")
+        assert attention.pending_dispatches() == 0
+    finally:
+        attention.close()
+        runtime.join(10)
+        ffn.close()
+
+
+def test_reply_that_answers_another_dispatch_is_an_error(checkpoints):
+    model_dir = checkpoints["deepseek_v2"]
+    spec, (attention, ffn) = connectors(model_dir, 1, 1)
+    weights = load_attention_weights(model_dir, spec, "ffn", torch.float32)
+    runtime = FFNRuntime(ffn, load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32))
+
+    def rogue_ffn():
+        item = ffn.receive_work()
+        rows, routed, shared = runtime.process(item)
+        ffn.send_reply(dataclasses.replace(item, seq=item.seq + 1), rows, routed, shared)
+
+    thread = threading.Thread(target=rogue_ffn, daemon=True)
+    thread.start()
+    layer = spec.moe_layers[0]
+    moe = AttentionMoELayer(weights[layer].gate, RemoteMoE(spec=spec, layer=layer, connector=attention,
+                                                           num_ffn_ranks=1, placement="ffn", partition="affinity",
+                                                           dtype=torch.float32))
+    try:
+        with pytest.raises(PairingError, match=r"does not match the oldest pending dispatch of stage 0"):
+            moe.forward(torch.randn(4, spec.hidden_size))
+    finally:
+        thread.join(10)
+        attention.close()
+        ffn.close()
+
+
+def test_work_is_served_in_arrival_order_across_attention_ranks(checkpoints):
+    model_dir = checkpoints["deepseek_v3"]
+    spec = load_spec(model_dir)
+    served = []
+    with ThreadWorld(model_dir, 3, 1, placement="ffn") as world:
+        runtime = world.runtimes[0]
+        original = runtime.process
+        runtime.process = lambda item: (served.append(item.source), original(item))[1]
+        layer = spec.moe_layers[0]
+        xs = {a: torch.randn(3 + a, spec.hidden_size) for a in range(3)}
+        outs, threads = {}, []
+        for a in (2, 0, 1):
+            thread = threading.Thread(target=lambda a=a: outs.__setitem__(a, world.layers[a][layer].forward(xs[a])))
+            thread.start()
+            threads.append(thread)
+            while len(served) < len(threads):  # next rank dispatches only after this one arrived
+                time.sleep(0.001)
+        for thread in threads:
+            thread.join(20)
+    assert served == [2, 0, 1]
+    for a, x in xs.items():
+        assert_matches_oracle({layer: outs[a]}, oracle_outputs(model_dir, x, "float32", [layer]), "float32")
+
+
+def test_close_unblocks_blocking_receives(checkpoints):
+    model_dir = checkpoints["deepseek_v2"]
+    spec, (attention, ffn) = connectors(model_dir, 1, 1)
+    runtime = FFNRuntime(ffn, load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32)).start()
+    time.sleep(0.2)  # let the loop block in receive_work
+    runtime.stop(timeout=5)  # returns (no stored error) instead of hanging
+    assert not ffn.is_initialized
+
+    # Attention blocked on a reply that never comes (FFN alive, not serving); close() it.
+    attention.close()
+    spec, (attention, silent_ffn) = connectors(model_dir, 1, 1)
+    weights = load_attention_weights(model_dir, spec, "ffn", torch.float32)
+    layer = spec.moe_layers[0]
+    moe = AttentionMoELayer(weights[layer].gate, RemoteMoE(spec=spec, layer=layer, connector=attention,
+                                                           num_ffn_ranks=1, placement="ffn", partition="affinity",
+                                                           dtype=torch.float32))
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(_raises(moe.forward, torch.randn(2, spec.hidden_size))))
+    thread.start()
+    time.sleep(0.2)
+    attention.close()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert isinstance(errors[0], ConnectorClosedError)
+    attention.close()  # idempotent
+    silent_ffn.close()
+
+
+def _raises(fn, *args):
+    try:
+        fn(*args)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def test_close_after_partial_init_is_safe():
+    connector = P2PConnector(role="ffn", rank=1, num_attention_ranks=1, num_ffn_ranks=1, host="127.0.0.1",
+                             port=free_port(), hidden_size=8, local_experts=2, dtype=torch.float32, timeout_seconds=1)
+    with pytest.raises(PeerLostError, match=r"rendezvous at 127\.0\.0\.1:\d+ for world size 2 failed"):
+        connector.init()  # nobody hosts the store
+    connector.close()
+    connector.close()
+    with pytest.raises(ConnectorClosedError):
+        connector.receive_work()
+
+
+def test_killed_ffn_rank_fails_attention_within_timeout(checkpoints):
+    model_dir = checkpoints["deepseek_v2"]
+    spec = load_spec(model_dir)
+    port = free_port()
+    run = RunSpec(model_dir=str(model_dir), attention_ranks=1, ffn_ranks=1, placement="ffn", port=port,
+                  timeout_seconds=3)
+    child = multiprocessing.get_context("spawn").Process(target=run_ffn_rank, args=(run, 0), daemon=True)
+    child.start()
+    attention = P2PConnector(role="attention", rank=0, num_attention_ranks=1, num_ffn_ranks=1, host="127.0.0.1",
+                             port=port, hidden_size=spec.hidden_size, local_experts=spec.local_experts(1),
+                             dtype=torch.float32, timeout_seconds=3)
+    try:
+        attention.init()
+        weights = load_attention_weights(model_dir, spec, "ffn", torch.float32)
+        layer = spec.moe_layers[0]
+        moe = AttentionMoELayer(weights[layer].gate, RemoteMoE(spec=spec, layer=layer, connector=attention,
+                                                               num_ffn_ranks=1, placement="ffn", partition="affinity",
+                                                               dtype=torch.float32))
+        moe.forward(torch.randn(3, spec.hidden_size))  # healthy step
+        child.kill()
+        child.join(10)
+        started = time.monotonic()
+        with pytest.raises(PeerLostError, match=r"FFN rank 0 \(world rank 1\)"):
+            moe.forward(torch.randn(3, spec.hidden_size))
+        assert time.monotonic() - started < 3 + 2  # the configured timeout bounds the failure
+    finally:
+        attention.close()
+        if child.is_alive():
+            child.kill()
+        child.join(10)
+
+
+def test_killed_attention_rank_fails_ffn_loop_with_clear_error(checkpoints):
+    model_dir = checkpoints["deepseek_v2"]
+    spec = load_spec(model_dir)
+    port = free_port()
+    child = multiprocessing.get_context("spawn").Process(
+        target=attention_rank_that_idles, args=(str(model_dir), port, 2, 1, 1), daemon=True)
+    child.start()
+    attention0 = P2PConnector(role="attention", rank=0, num_attention_ranks=2, num_ffn_ranks=1, host="127.0.0.1",
+                              port=port, hidden_size=spec.hidden_size, local_experts=spec.local_experts(1),
+                              dtype=torch.float32, timeout_seconds=3)
+    ffn = P2PConnector(role="ffn", rank=2, num_attention_ranks=2, num_ffn_ranks=1, host="127.0.0.1", port=port,
+                       hidden_size=spec.hidden_size, local_experts=spec.local_experts(1), dtype=torch.float32,
+                       timeout_seconds=3)
+    try:
+        run_threads([attention0.init, ffn.init], timeout=60)
+        runtime = FFNRuntime(ffn, load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32)).start()
+        child.kill()
+        child.join(10)
+        with pytest.raises(PeerLostError, match=r"Attention rank 1"):
+            runtime.join(timeout=15)
+    finally:
+        attention0.close()
+        ffn.close()
+        if child.is_alive():
+            child.kill()
+        child.join(10)
+
+
+def test_thousand_steps_do_not_grow_memory(checkpoints):
+    model_dir = checkpoints["deepseek_v3"]
+    spec = load_spec(model_dir)
+    x = torch.randn(4, spec.hidden_size)
+    layer = spec.moe_layers[0]
+    with ThreadWorld(model_dir, 1, 2, placement="ffn") as world:
+        moe = world.layers[0][layer]
+        first = moe.forward(x)
+        for _ in range(100):
+            moe.forward(x)
+        baseline = rss_bytes()
+        for _ in range(1000):
+            assert torch.equal(moe.forward(x), first)
+        growth = rss_bytes() - baseline
+        assert world.attention_connectors[0].pending_dispatches() == 0
+        assert all(c.sends_in_flight() <= 1 for c in world.ffn_connectors)
+        assert threading.active_count() < 40
+    assert growth < 8 * 2**20, f"RSS grew by {growth} bytes over 1000 steps"
+
+
+@pytest.mark.parametrize("placement,partition", [("ffn", "affinity"), ("ffn", "contiguous"), ("attention", "affinity")])
+def test_delayed_completions_never_expose_unfinished_buffers(checkpoints, placement, partition):
+    model_dir = checkpoints["qwen2_moe"]
+    spec = load_spec(model_dir)
+    injectors = []
+
+    def wrap(transport):
+        injectors.append(DelayedCompletionTransport(transport))
+        return injectors[-1]
+
+    x = torch.randn(33, spec.hidden_size)
+    with ThreadWorld(model_dir, 2, 2, placement=placement, partition=partition, transport_wrapper=wrap) as world:
+        for _ in range(3):
+            out = world.run(x)
+            assert_matches_oracle(out, oracle_outputs(model_dir, x, "float32", spec.moe_layers), "float32")
+    assert [v for i in injectors for v in i.violations] == []
+
+
+def test_fault_injector_detects_a_buffer_reused_in_flight():
+    class Inner:
+        def isend(self, tensor, dst, tag):
+            return type("Done", (), {"wait": lambda self: None})()
+
+    injector = DelayedCompletionTransport(Inner())
+    buffer = torch.ones(3)
+    handle = injector.isend(buffer, 1, 0)
+    buffer.add_(1)  # what a connector must never do
+    handle.wait()
+    assert injector.violations and "modified while in flight" in injector.violations[0]
+
+
+def test_weights_by_role_and_placement(checkpoints):
+    model_dir = checkpoints["deepseek_v3"]
+    spec = load_spec(model_dir)
+    reader = CheckpointReader(model_dir)
+    layer = spec.moe_layers[0]
+    gate_bytes = tensor_bytes(reader.get(f"model.layers.{layer}.mlp.gate.weight", torch.float32),
+                              reader.get(f"model.layers.{layer}.mlp.gate.e_score_correction_bias", torch.float32))
+    shared_bytes = 3 * spec.hidden_size * spec.shared_intermediate_size * 4
+    expert_bytes = 3 * spec.hidden_size * spec.moe_intermediate_size * 4
+    on_ffn = load_attention_weights(model_dir, spec, "ffn", torch.float32)
+    on_attention = load_attention_weights(model_dir, spec, "attention", torch.float32)
+    assert all(w.shared is None and w.parameter_bytes() == gate_bytes for w in on_ffn.values())
+    assert all(w.parameter_bytes() == gate_bytes + shared_bytes for w in on_attention.values())
+    for placement, extra in (("ffn", shared_bytes), ("attention", 0)):
+        shard = load_ffn_weights(model_dir, spec, placement, 1, 4, torch.float32)
+        assert all(w.parameter_bytes() == 2 * expert_bytes + extra for w in shard.values())
+    shard = load_ffn_weights(model_dir, spec, "ffn", 1, 4, torch.float32)[layer]
+    assert shard.routed.first_expert == 2
+    up = reader.get(f"model.layers.{layer}.mlp.experts.3.up_proj.weight", torch.float32)
+    assert torch.equal(shard.routed.gate_up[1, spec.moe_intermediate_size:], up)
+
+
+def test_metrics_and_probe_endpoints(checkpoints):
+    model_dir = checkpoints["deepseek_v2"]
+    spec = load_spec(model_dir)
+    world = ThreadWorld(model_dir, 1, 1, placement="ffn", with_metrics=True)
+    runtime = world.runtimes[0]
+    server = ProbeServer(runtime.metrics, lambda: runtime.ready, "127.0.0.1", 0, 0).start()
+    try:
+        world.run(torch.randn(5, spec.hidden_size))
+        get = lambda port, path: urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5)
+        body = get(server.metrics_port, "/metrics").read().decode()
+        assert 'afd_tokens_received_total{kind="shared",layer="0"} 5.0' in body
+        assert 'afd_connector_sent_bytes_total{kind="replies"}' in body
+        assert "afd_ffn_work_wait_seconds_bucket" in body
+        attention_body = world.attention_connectors[0].metrics.exposition().decode()
+        assert 'afd_tokens_dispatched_total{kind="routed",layer="1"} 10.0' in attention_body
+        assert "afd_attention_reply_wait_seconds_count 2.0" in attention_body
+        assert get(server.health_port, "/health").status == 200
+        assert get(server.health_port, "/ready").status == 200
+    finally:
+        world.close()
+    with pytest.raises(urllib.error.HTTPError) as info:
+        get(server.health_port, "/ready")
+    assert info.value.code == 503
+    server.stop()
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 5])
+def test_tensor_parallel_shard_and_gather(checkpoints, num_tokens):
+    """Attention TP=2 (one DP replica): each TP rank dispatches its shard; every TP rank
+    joins the gather, even with an all-padding shard."""
+    model_dir = checkpoints["deepseek_v3"]
+    spec = load_spec(model_dir)
+    x = torch.randn(num_tokens, spec.hidden_size)
+    tp_port = free_port()
+    with ThreadWorld(model_dir, 2, 2, placement="ffn") as world:
+        def tp_rank(rank):
+            store = dist.TCPStore("127.0.0.1", tp_port, 2, rank == 0, timedelta(seconds=20))
+            group = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=20))
+            shard, real = shard_tokens(x, rank, 2)
+            outs = {}
+            for layer, moe in world.layers[rank].items():
+                outs[layer] = all_gather_and_trim(moe.forward(shard, num_tokens=real), num_tokens, group)
+            return outs
+
+        results = run_threads([lambda r=r: tp_rank(r) for r in range(2)])
+    expected = oracle_outputs(model_dir, x, "float32", spec.moe_layers)
+    for outs in results:
+        assert_matches_oracle(outs, expected, "float32")
+
+
+def test_npu_request_without_torch_npu_fails_fast():
+    with pytest.raises(DeviceUnavailableError, match="torch_npu/CANN cannot be loaded"):
+        resolve_device("npu")

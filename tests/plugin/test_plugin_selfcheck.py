@@ -1,0 +1,97 @@
+"""The selfcheck CLI contract, run as a real command with real rank processes."""
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from afd_shared_experts.model import load_spec
+from plugin_harness import assert_matches_oracle, oracle_outputs
+
+
+def processes_with_tag(tag: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if tag.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def run_selfcheck(tmp_path, model_dir, tokens, *args):
+    inputs, out, report = tmp_path / "in.safetensors", tmp_path / "out.safetensors", tmp_path / "report.json"
+    x = torch.randn(tokens, load_spec(model_dir).hidden_size, generator=torch.Generator().manual_seed(tokens))
+    save_file({"hidden_states": x}, str(inputs))
+    tag = f"AFD_SELFCHECK_TEST_{uuid.uuid4().hex}"
+    env = {**os.environ, tag: "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "afd_shared_experts.selfcheck", "--model", str(model_dir),
+                           "--inputs", str(inputs), "--out", str(out), "--report", str(report), *args],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert processes_with_tag(tag) == [], "selfcheck left a rank process behind"
+    return proc, x, out, report
+
+
+@pytest.mark.parametrize("model,args", [
+    ("deepseek_v3", ["--attention-ranks", "3", "--ffn-ranks", "2", "--placement", "ffn", "--partition", "affinity",
+                     "--steps", "3"]),
+    ("qwen2_moe", ["--attention-ranks", "2", "--ffn-ranks", "4", "--placement", "ffn", "--partition", "contiguous",
+                   "--dtype", "bfloat16", "--steps", "2"]),
+    ("deepseek_v2_group_limited", ["--attention-ranks", "4", "--ffn-ranks", "1", "--placement", "attention",
+                                   "--dtype", "float16"]),
+])
+def test_selfcheck_matches_oracle(tmp_path, checkpoints, model, args):
+    model_dir = checkpoints[model]
+    proc, x, out, report_path = run_selfcheck(tmp_path, model_dir, 7, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "selfcheck ok" in proc.stdout
+    spec = load_spec(model_dir)
+    dtype = args[args.index("--dtype") + 1] if "--dtype" in args else "float32"
+    with safe_open(str(out), framework="pt") as f:
+        actual = {int(k.split(".")[1]): f.get_tensor(k) for k in f.keys()}
+    assert all(t.dtype == torch.float32 and t.shape == x.shape for t in actual.values())
+    assert_matches_oracle(actual, oracle_outputs(model_dir, x, dtype, spec.moe_layers), dtype)
+
+    report = json.loads(report_path.read_text())
+    steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 1
+    ffn_ranks = int(args[args.index("--ffn-ranks") + 1])
+    assert len(report["wall_time_per_step_seconds"]) == steps
+    assert set(report["bytes_by_kind"]) == {"routed_rows", "shared_rows", "headers", "replies"}
+    placement = args[args.index("--placement") + 1]
+    shared_total = sum(report["shared_tokens_per_ffn_rank"])
+    assert shared_total == (7 * steps * len(spec.moe_layers) if placement == "ffn" else 0)
+    if "affinity" in args and placement == "ffn":
+        assert report["bytes_by_kind"]["shared_rows"] == 0
+    if "contiguous" in args:
+        assert report["bytes_by_kind"]["shared_rows"] == 7 * steps * len(spec.moe_layers) * spec.hidden_size * 2
+    assert len(report["ffn_parameter_bytes"]) == ffn_ranks
+
+
+def test_selfcheck_fails_cleanly_on_bad_topology(tmp_path, checkpoints):
+    proc, *_ = run_selfcheck(tmp_path, checkpoints["deepseek_v2"], 5, "--attention-ranks", "1", "--ffn-ranks", "3")
+    assert proc.returncode == 1
+    assert "--ffn-ranks: must divide the model's 8 routed experts evenly" in proc.stderr
+
+
+def test_selfcheck_fails_cleanly_when_a_rank_fails(tmp_path, checkpoints):
+    """An FFN rank cannot load its experts: non-zero exit, the cause named, no process left."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    source = checkpoints["deepseek_v2"]
+    (broken / "config.json").write_text((source / "config.json").read_text())
+    with safe_open(str(source / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k != "model.layers.1.mlp.experts.6.up_proj.weight"}
+    save_file(tensors, str(broken / "model.safetensors"))
+    proc, *_ = run_selfcheck(tmp_path, broken, 5, "--attention-ranks", "2", "--ffn-ranks", "2")
+    assert proc.returncode == 1
+    assert "ffn rank 1 failed" in proc.stderr
+    assert "lacks tensor 'model.layers.1.mlp.experts.6.up_proj.weight'" in proc.stderr

@@ -1,0 +1,285 @@
+"""Controller decisions on plain data: lifecycle, failures, rollouts, drains (pure, no cluster)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Optional
+
+from afd_operator.api import AFDDeploymentSpec
+from afd_operator.controller import Decision, InstanceRecord, decide
+from afd_operator.observe import ObservedPod
+from afd_operator.revision import revision_of
+
+NOW = 1_000_000.0
+
+
+def spec_of(**overrides: Any) -> AFDDeploymentSpec:
+    data: dict[str, Any] = {
+        "replicas": 1, "image": "img:v1", "platform": "cpu",
+        "model": {"name": "m", "path": "/m"},
+        "attention": {"dataParallel": 2, "devicesPerPod": 1},  # 2 attention pods
+        "ffn": {"ranks": 1},  # 1 FFN pod
+        "recovery": {"backoffSeconds": 10, "maxBackoffSeconds": 40, "maxRestarts": 2, "unreadyGraceSeconds": 30},
+        "termination": {"drainSeconds": 20},
+    }
+    for key, value in overrides.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    return AFDDeploymentSpec.model_validate(data)
+
+
+def pods_of(spec: AFDDeploymentSpec, index: int, state: str = "ready", revision: Optional[str] = None,
+            roles: tuple[str, ...] = ("ffn", "attention"), serving: bool = False, **pod_fields: Any) -> list[ObservedPod]:
+    rev = revision or revision_of(spec)
+    inst = f"d-{rev}-{index}"
+    counts = {"ffn": 1, "attention": 2}
+    out = []
+    for role in roles:
+        for k in range(counts[role]):
+            head = role == "attention" and k == 0
+            out.append(ObservedPod(
+                name=f"{inst}-{'attn' if role == 'attention' else 'ffn'}-{k}", instance=inst, revision=rev,
+                index=index, role=role, ordinal=k, head=head,
+                phase={"pending": "Pending"}.get(state, "Running"), scheduled=state != "pending",
+                ready=state == "ready", ready_changed_at=NOW - 100, created_at=NOW - 200,
+                deleting=False, serving=serving and head, drain_started_at=None, termination=None,
+                unschedulable=None,
+            ))
+    return [replace(p, **pod_fields) for p in out]
+
+
+def kinds(d: Decision) -> list[tuple[str, str]]:
+    return [(a.kind, a.role or ",".join(a.pods)) for a in d.actions]
+
+
+def record(spec: AFDDeploymentSpec, index: int, phase: str, revision: Optional[str] = None, **kw: Any) -> InstanceRecord:
+    rev = revision or revision_of(spec)
+    return InstanceRecord(name=f"d-{rev}-{index}", revision=rev, index=index, phase=phase, **kw)
+
+
+def run(spec: AFDDeploymentSpec, pods: list[ObservedPod], records: list[InstanceRecord], now: float = NOW,
+        deleting: bool = False) -> Decision:
+    return decide(spec, "d", revision_of(spec), pods, records, now, deleting)
+
+
+def test_new_deployment_starts_ffn_first() -> None:
+    spec = spec_of()
+    d = run(spec, [], [])
+    assert [(a.kind, a.role, a.index) for a in d.actions] == [("create_pods", "ffn", 0)]
+    assert [r.phase for r in d.instances] == ["Pending"]
+    # FFN pod created but not Running yet: nothing more.
+    pending = pods_of(spec, 0, "pending", roles=("ffn",))
+    assert run(spec, pending, d.instances).actions == []
+    # FFN Running: Attention pods next.
+    running = pods_of(spec, 0, "running", roles=("ffn",))
+    assert [(a.kind, a.role) for a in run(spec, running, d.instances).actions] == [("create_pods", "attention")]
+
+
+def test_parallel_start_creates_all_roles_at_once() -> None:
+    d = run(spec_of(startup={"order": "Parallel"}), [], [])
+    assert [(a.kind, a.role) for a in d.actions] == [("create_pods", "ffn"), ("create_pods", "attention")]
+
+
+def test_ready_instance_gets_serving_label_then_nothing_to_do() -> None:
+    spec = spec_of()
+    pods = pods_of(spec, 0, "ready")
+    d = run(spec, pods, [record(spec, 0, "Starting")])
+    assert [(a.kind, a.serving) for a in d.actions] == [("set_serving", True)]
+    assert d.became_ready and d.instances[0].phase == "Ready" and d.instances[0].first_ready == NOW
+    steady = run(spec, pods_of(spec, 0, "ready", serving=True), d.instances)
+    assert steady.actions == [] and steady.events == [] and not steady.rollout_in_progress
+
+
+def test_pod_failure_recreates_whole_instance_with_backoff() -> None:
+    spec = spec_of()
+    pods = pods_of(spec, 0, "ready", serving=True)
+    pods[1] = replace(pods[1], phase="Failed", ready=False, termination="container attention Error (exit code 3)")
+    d = run(spec, pods, [record(spec, 0, "Ready", first_ready=NOW - 50)])
+    assert [(a.kind, sorted(a.pods)) for a in d.actions] == [("delete_pods", sorted(p.name for p in pods))]
+    (rec,) = d.instances
+    assert rec.phase == "Failed" and rec.restarts == 1 and rec.consecutive_failures == 1
+    assert rec.retry_after == NOW + 10 and "exit code 3" in rec.last_failure
+    assert d.restarted == 1 and d.next_wakeup == NOW + 10
+    # Pods terminating: no re-detection, no new pods.
+    terminating = [replace(p, deleting=True) for p in pods]
+    d2 = run(spec, terminating, d.instances, now=NOW + 1)
+    assert d2.actions == [] and d2.instances[0].restarts == 1
+    # Pods gone but backoff not elapsed: wait; elapsed: recreate (FFN first).
+    assert run(spec, [], d2.instances, now=NOW + 5).actions == []
+    d3 = run(spec, [], d2.instances, now=NOW + 11)
+    assert [(a.kind, a.role) for a in d3.actions] == [("create_pods", "ffn")]
+
+
+def test_backoff_doubles_and_budget_exhausts_into_degraded() -> None:
+    spec = spec_of()
+    failed = [replace(p, phase="Failed") for p in pods_of(spec, 0, "running")]
+    d = run(spec, failed, [record(spec, 0, "Starting", consecutive_failures=1, restarts=1)])
+    assert d.instances[0].retry_after == NOW + 20  # 10 * 2^(2-1)
+    d = run(spec, failed, [record(spec, 0, "Starting", consecutive_failures=2, restarts=2)])
+    (rec,) = d.instances
+    assert rec.phase == "Failed" and rec.retry_after is None and rec.consecutive_failures == 3
+    assert any(e.reason == "RestartBudgetExhausted" for e in d.events)
+    later = run(spec, [], d.instances, now=NOW + 3600)
+    assert later.actions == [] and later.degraded and "stays down" in later.degraded[0]
+
+
+def test_consecutive_failures_reset_only_after_stable_readiness() -> None:
+    spec = spec_of(recovery={"stableSeconds": 300})
+    pods = pods_of(spec, 0, "ready", serving=True)
+    d = run(spec, pods, [record(spec, 0, "Starting", consecutive_failures=2, restarts=2)])
+    assert d.instances[0].consecutive_failures == 2 and d.next_wakeup == NOW + 300
+    d = run(spec, pods, d.instances, now=NOW + 301)
+    assert d.instances[0].consecutive_failures == 0 and d.instances[0].restarts == 2
+
+
+def test_policy_none_leaves_failed_instance() -> None:
+    spec = spec_of(recovery={"policy": "None"})
+    failed = [replace(p, phase="Failed") for p in pods_of(spec, 0, "running")]
+    d = run(spec, failed, [record(spec, 0, "Starting")])
+    assert [a.kind for a in d.actions] == [] and d.instances[0].phase == "Failed"
+    again = run(spec, failed, d.instances)
+    assert again.actions == [] and again.degraded
+
+
+def test_missing_pod_and_unready_past_grace_fail_the_instance() -> None:
+    spec = spec_of()
+    pods = pods_of(spec, 0, "ready", serving=True)
+    was_ready = [record(spec, 0, "Ready", first_ready=NOW - 150)]
+    assert "disappeared" in run(spec, pods[:-1], was_ready).instances[0].last_failure
+    unready = list(pods)
+    unready[0] = replace(unready[0], ready=False, ready_changed_at=NOW - 10)
+    d = run(spec, unready, was_ready)
+    assert d.instances[0].phase != "Failed" and d.next_wakeup == NOW + 20  # grace 30 - 10 elapsed
+    assert [(a.kind, a.serving) for a in d.actions] == [("set_serving", False)]  # stop serving at once
+    # Still unready on the next pass (phase is no longer Ready): the grace keeps counting.
+    assert run(spec, unready, d.instances).instances[0].phase == "Starting"
+    unready[0] = replace(unready[0], ready_changed_at=NOW - 31)
+    assert run(spec, unready, d.instances).instances[0].phase == "Failed"
+
+
+def test_startup_timeout_and_unschedulable_reason() -> None:
+    spec = spec_of(startup={"timeoutSeconds": 100})
+    stuck = pods_of(spec, 0, "pending", roles=("ffn",), unschedulable="0/3 nodes have free huawei.com/Ascend910")
+    d = run(spec, stuck, [record(spec, 0, "Pending")])
+    assert d.instances[0].phase == "Failed" and d.instances[0].last_failure.startswith("Unschedulable")
+
+
+def test_scale_down_drains_highest_index_in_order() -> None:
+    spec = spec_of(replicas=1)
+    pods = pods_of(spec, 0, "ready", serving=True) + pods_of(spec, 1, "ready", serving=True)
+    recs = [record(spec, 0, "Ready"), record(spec, 1, "Ready")]
+    d = run(spec, pods, recs)
+    assert [(a.kind, a.pods) for a in d.actions] == [("start_drain", (f"d-{revision_of(spec)}-1-attn-0",))]
+    # Drain started: wait drainSeconds, then Attention pods, then FFN pods, then gone.
+    started = [replace(p, drain_started_at=NOW, serving=False) if p.index == 1 and p.head else p for p in pods]
+    recs = d.instances
+    assert [r.phase for r in recs] == ["Ready", "Draining"]
+    assert [a for a in run(spec, started, recs, now=NOW + 5).actions if a.kind != "set_serving"] == []
+    d = run(spec, started, recs, now=NOW + 21)
+    assert [(a.kind, len(a.pods)) for a in d.actions] == [("delete_pods", 2)]
+    no_attention = [p for p in started if not (p.index == 1 and p.role == "attention")]
+    d = run(spec, no_attention, d.instances, now=NOW + 22)
+    assert [(a.kind, a.pods) for a in d.actions] == [("delete_pods", (f"d-{revision_of(spec)}-1-ffn-0",))]
+    d = run(spec, [p for p in no_attention if p.index == 0], d.instances, now=NOW + 23)
+    assert [r.index for r in d.instances] == [0] and "d-" in next(iter(d.gone))
+
+
+def rolled(spec: AFDDeploymentSpec, **change: Any) -> AFDDeploymentSpec:
+    return spec_of(**change)
+
+
+def test_rolling_update_surges_then_drains_old() -> None:
+    old = spec_of()
+    new = rolled(old, image="img:v2")
+    r_old, r_new = revision_of(old), revision_of(new)
+    pods = pods_of(old, 0, "ready", serving=True)
+    recs = [record(old, 0, "Ready")]
+    d = run(new, pods, recs)
+    assert [(a.kind, a.role, a.revision, a.index) for a in d.actions] == [("create_pods", "ffn", r_new, 1)]
+    assert d.rollout_in_progress
+    # New instance starting: the old one keeps serving.
+    new_pods = pods_of(new, 1, "running")
+    d = run(new, pods + new_pods, d.instances)
+    assert not any(a.kind in ("start_drain", "delete_pods") for a in d.actions)
+    # New Ready: old drains; the floor (replicas - maxUnavailable = 1) holds.
+    d = run(new, pods + pods_of(new, 1, "ready", serving=True), d.instances)
+    assert [(a.kind, a.pods) for a in d.actions] == [("start_drain", (f"d-{r_old}-0-attn-0",))]
+
+
+def test_max_surge_zero_drains_first() -> None:
+    old = spec_of(updateStrategy={"maxSurge": 0, "maxUnavailable": 1})
+    new = rolled(old, image="img:v2", updateStrategy={"maxSurge": 0, "maxUnavailable": 1})
+    d = run(new, pods_of(old, 0, "ready", serving=True), [record(old, 0, "Ready")])
+    assert [a.kind for a in d.actions] == ["start_drain"]
+
+
+def test_partition_keeps_old_instances() -> None:
+    old = spec_of(replicas=2, updateStrategy={"partition": 1})
+    new = rolled(old, replicas=2, image="img:v2", updateStrategy={"partition": 1})
+    pods = pods_of(old, 0, "ready", serving=True) + pods_of(old, 1, "ready", serving=True) + \
+        pods_of(new, 2, "ready", serving=True)
+    recs = [record(old, 0, "Ready"), record(old, 1, "Ready"), record(new, 2, "Ready")]
+    d = run(new, pods, recs)
+    assert [(a.kind, a.pods) for a in d.actions] == [("start_drain", (f"d-{revision_of(old)}-1-attn-0",))]
+    after = [p for p in pods if p.index != 1]
+    d = run(new, after, [r for r in d.instances if r.index != 1])
+    assert d.actions == []  # one old instance kept
+
+
+def test_paused_freezes_rollout() -> None:
+    old = spec_of()
+    new = rolled(old, image="img:v2", updateStrategy={"paused": True})
+    d = run(new, pods_of(old, 0, "ready", serving=True), [record(old, 0, "Ready")])
+    assert d.actions == [] and d.progress_reason == "Paused"
+
+
+def test_revert_mid_rollout_keeps_serving_old_and_deletes_unready_new() -> None:
+    old = spec_of()
+    new = rolled(old, image="img:v2")
+    pods = pods_of(old, 0, "ready", serving=True) + pods_of(new, 1, "running")
+    recs = [record(old, 0, "Ready"), record(new, 1, "Starting")]
+    d = run(old, pods, recs)  # the spec went back to the old revision
+    deleted = [p for a in d.actions if a.kind == "delete_pods" for p in a.pods]
+    # Ordered drain of the never-Ready instance: its Attention pods go first.
+    assert sorted(deleted) == sorted(p.name for p in pods if p.index == 1 and p.role == "attention")
+    assert not any(a.kind == "start_drain" for a in d.actions)
+
+
+def test_quick_updates_skip_intermediate_revisions() -> None:
+    v1, v2, v3 = spec_of(), spec_of(image="img:v2"), spec_of(image="img:v3")
+    pods = pods_of(v1, 0, "ready", serving=True) + pods_of(v2, 1, "running", roles=("ffn",))
+    recs = [record(v1, 0, "Ready"), record(v2, 1, "Pending")]
+    d = run(v3, pods, recs)
+    assert [(a.kind, a.pods) for a in d.actions if a.kind == "delete_pods"] == [
+        ("delete_pods", (f"d-{revision_of(v2)}-1-ffn-0",))]
+    # The v2 slot is still in use until its pod is gone: v3 takes index 2 within the surge
+    # budget only after v2 stops counting.
+    assert not any(a.kind == "create_pods" and a.index == 1 for a in d.actions)
+
+
+def test_recreate_drains_all_then_creates() -> None:
+    old = spec_of(replicas=2, updateStrategy={"type": "Recreate"})
+    new = rolled(old, replicas=2, image="img:v2", updateStrategy={"type": "Recreate"})
+    pods = pods_of(old, 0, "ready", serving=True) + pods_of(old, 1, "ready", serving=True)
+    d = run(new, pods, [record(old, 0, "Ready"), record(old, 1, "Ready")])
+    assert sorted(a.kind for a in d.actions) == ["start_drain", "start_drain"]
+    assert run(new, [], []).actions[0].kind == "create_pods"
+
+
+def test_deletion_drains_everything() -> None:
+    spec = spec_of(replicas=2)
+    pods = pods_of(spec, 0, "ready", serving=True) + pods_of(spec, 1, "running")
+    d = run(spec, pods, [record(spec, 0, "Ready"), record(spec, 1, "Starting")], deleting=True)
+    assert sorted(a.kind for a in d.actions) == ["delete_pods", "start_drain"]
+    done = run(spec, [], d.instances, deleting=True)
+    assert done.instances == [] and len(done.gone) == 2
+
+
+def test_old_revision_judged_by_its_own_layout() -> None:
+    old = spec_of()
+    new = spec_of(attention={"dataParallel": 4}, ffn={"ranks": 2})  # another topology
+    pods = pods_of(old, 0, "ready", serving=True)
+    layouts = {revision_of(old): {"ffn": 1, "attention": 2}}
+    d = decide(new, "d", revision_of(new), pods, [record(old, 0, "Ready")], NOW, layouts=layouts)
+    # The complete, Ready old world keeps serving while the new one is created.
+    assert [(a.kind, a.role, a.index) for a in d.actions] == [("create_pods", "ffn", 1)]
+    assert [r.phase for r in d.instances] == ["Ready", "Pending"]

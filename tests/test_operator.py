@@ -1,0 +1,388 @@
+"""The operator, as a real process, against the real kube-apiserver with a node stand-in."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import pytest
+from kubernetes import client, watch
+
+from afd_operator import naming
+from afd_operator.api import GROUP, PLURAL, VERSION
+from afd_operator.devcluster import OPERATOR_USER, ControlPlane, FakeKubelet
+from afd_operator.devcluster.operator_process import OperatorProcess
+from k8s_helpers import wait_for
+
+pytestmark = pytest.mark.apiserver
+
+CONVERGE_SECONDS = 45
+
+
+def base_spec(**overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "replicas": 1,
+        "image": "runtime:v1",
+        "platform": "cpu",
+        "model": {"name": "tiny", "path": "/models/tiny", "routedExperts": 8},
+        "attention": {"dataParallel": 2, "tensorParallel": 1, "devicesPerPod": 1},
+        "ffn": {"ranks": 1, "devicesPerPod": 1},
+        "startup": {"order": "FFNFirst", "timeoutSeconds": 60},
+        "recovery": {"backoffSeconds": 1, "maxBackoffSeconds": 4, "maxRestarts": 2, "unreadyGraceSeconds": 2},
+        "termination": {"gracePeriodSeconds": 5, "drainSeconds": 1},
+        "updateStrategy": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    for key, value in overrides.items():
+        spec[key] = {**spec[key], **value} if isinstance(value, dict) and key in spec else value
+    return spec
+
+
+class Env:
+    """One test's view: a namespace, API helpers, the shared operator and kubelet."""
+
+    def __init__(self, cluster: ControlPlane, api_client, kubelet: FakeKubelet, operator: OperatorProcess,
+                 namespace: str):
+        self.cluster, self.kubelet, self.operator, self.ns = cluster, kubelet, operator, namespace
+        self.core = client.CoreV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+
+    # -- the custom resource ----------------------------------------------------------------
+    def create(self, name: str, spec: dict[str, Any]) -> None:
+        self.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, {
+            "apiVersion": f"{GROUP}/{VERSION}", "kind": "AFDDeployment",
+            "metadata": {"name": name}, "spec": spec})
+
+    def patch_spec(self, name: str, spec: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name, {"spec": spec})
+
+    def get(self, name: str) -> Optional[dict[str, Any]]:
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
+        except client.ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def condition(self, name: str, kind: str) -> Optional[dict[str, Any]]:
+        obj = self.get(name) or {}
+        return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == kind), None)
+
+    def wait_ready(self, name: str, replicas: int, timeout: float = CONVERGE_SECONDS) -> dict[str, Any]:
+        def ready() -> Optional[dict[str, Any]]:
+            obj = self.get(name) or {}
+            status = obj.get("status", {})
+            cond = self.condition(name, "Ready") or {}
+            rev = status.get("updateRevision")
+            instances = status.get("instances", [])
+            done = (cond.get("status") == "True" and status.get("readyReplicas") == replicas
+                    and status.get("observedGeneration") == obj["metadata"]["generation"]
+                    and len(instances) == replicas and all(i["revision"] == rev for i in instances))
+            return obj if done else None
+        return wait_for(ready, f"{name} Ready with {replicas} instance(s)", timeout, interval=0.2)
+
+    # -- children -----------------------------------------------------------------------------
+    def pods(self) -> list[Any]:
+        return self.core.list_namespaced_pod(self.ns).items
+
+    def owned(self) -> dict[str, list[str]]:
+        """Every object the operator made in the namespace, by kind."""
+        sel = f"{naming.LABEL_MANAGED_BY}={naming.MANAGER}"
+        return {
+            "pods": sorted(p.metadata.name for p in self.pods()),
+            "services": sorted(s.metadata.name for s in self.core.list_namespaced_service(self.ns, label_selector=sel).items),
+            "configmaps": sorted(c.metadata.name for c in self.core.list_namespaced_config_map(self.ns, label_selector=sel).items),
+        }
+
+    def instances(self) -> dict[str, list[Any]]:
+        groups: dict[str, list[Any]] = {}
+        for pod in self.pods():
+            groups.setdefault(pod.metadata.labels[naming.LABEL_AFD_INSTANCE], []).append(pod)
+        return groups
+
+    def events(self, name: str) -> list[str]:
+        items = self.core.list_namespaced_event(self.ns, field_selector=f"involvedObject.name={name}").items
+        return [f"{e.reason}: {e.message}" for e in items]
+
+
+@pytest.fixture(scope="module")
+def kubelet(api_client) -> Iterator[FakeKubelet]:
+    with FakeKubelet(api_client, [f"node-{i}" for i in range(4)],
+                     label_selector=f"{naming.LABEL_MANAGED_BY}={naming.MANAGER}",
+                     deletion_delay_seconds=0.2) as fake:
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: ControlPlane, repo_root: Path, tmp_path_factory) -> Iterator[OperatorProcess]:
+    cluster.kubectl("apply", "-f", str(repo_root / "crds" / "afd.inference.dev_afddeployments.yaml"))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/afddeployments.afd.inference.dev", "--timeout=30s")
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    proc = OperatorProcess(cluster.operator_kubeconfig, log, resync_seconds=0.5).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture()
+def env(cluster: ControlPlane, api_client, kubelet: FakeKubelet, operator: OperatorProcess) -> Env:
+    ns = f"op-{uuid.uuid4().hex[:8]}"
+    client.CoreV1Api(api_client).create_namespace({"metadata": {"name": ns}})
+    return Env(cluster, api_client, kubelet, operator, ns)
+
+
+class ServingWatch:
+    """Follows every pod event of a namespace and records the invariants a rollout must keep."""
+
+    def __init__(self, env: Env):
+        self.env = env
+        self.min_serving_after_ready: Optional[int] = None
+        self.mixed: list[str] = []
+        self.history: list[tuple[str, str, int]] = []  # (event, pod, serving count) for failure messages
+        self._pods: dict[str, Any] = {}
+        self._stop = threading.Event()
+        self._ready_once = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "ServingWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        w = watch.Watch()
+        while not self._stop.is_set():
+            for event in w.stream(self.env.core.list_namespaced_pod, self.env.ns, timeout_seconds=1):
+                pod = event["object"]
+                if event["type"] == "DELETED":
+                    self._pods.pop(pod.metadata.name, None)
+                else:
+                    self._pods[pod.metadata.name] = pod
+                self._check()
+                self.history.append((event["type"], pod.metadata.name, self._serving_count()))
+
+    def _serving_count(self) -> int:
+        return sum(1 for p in self._pods.values() if (p.metadata.labels or {}).get(naming.LABEL_SERVING) == "true")
+
+    def _check(self) -> None:
+        n = self._serving_count()
+        if n:
+            self._ready_once = True
+        if self._ready_once:
+            self.min_serving_after_ready = n if self.min_serving_after_ready is None else min(
+                self.min_serving_after_ready, n)
+        for pod in self._pods.values():
+            labels = pod.metadata.labels
+            instance = labels[naming.LABEL_AFD_INSTANCE]
+            command = pod.spec.containers[0].command
+            config = json.loads(command[command.index("--additional-config") + 1])["afd"]
+            if labels[naming.LABEL_REVISION] not in instance or f".{instance}." not in config["host"]:
+                self.mixed.append(pod.metadata.name)
+
+
+def test_create_starts_ffn_first_and_becomes_ready(env: Env) -> None:
+    env.create("svc", base_spec())
+    obj = env.wait_ready("svc", 1)
+    pods = {p.metadata.name: p for p in env.pods()}
+    ffn = [p for p in pods.values() if p.metadata.labels[naming.LABEL_ROLE] == "ffn"]
+    attention = [p for p in pods.values() if p.metadata.labels[naming.LABEL_ROLE] == "attention"]
+    assert len(ffn) == 1 and len(attention) == 2
+    # FFNFirst: no Attention pod exists before the FFN pod ran.
+    assert max(p.metadata.creation_timestamp for p in ffn) <= min(p.metadata.creation_timestamp for p in attention)
+    heads = [p for p in attention if p.metadata.labels.get(naming.LABEL_SERVING) == "true"]
+    assert len(heads) == 1 and heads[0].metadata.labels[naming.LABEL_HEAD] == "true"
+    status = obj["status"]
+    assert status["topology"] == "DP2xTP1+EP1" and status["currentRevision"] == status["updateRevision"]
+    assert status["instances"][0]["phase"] == "Ready" and status["instances"][0]["podsReady"] == 3
+    conditions = {c["type"]: c["status"] for c in status["conditions"]}
+    assert conditions == {"Ready": "True", "Available": "True", "Progressing": "False", "Degraded": "False",
+                          "ConfigValid": "True"}
+    assert any(e.startswith("CreatingInstance") for e in env.events("svc"))
+    assert any("-> Ready" in e for e in env.events("svc"))
+    assert env.owned()["services"] == sorted(["svc", status["instances"][0]["name"]])
+
+
+def test_no_op_reconcile_makes_zero_writes(env: Env) -> None:
+    env.create("quiet", base_spec())
+    env.wait_ready("quiet", 1)
+    time.sleep(1.5)  # let the last status write and its echo events settle
+    since = time.time()
+    time.sleep(4)  # several resync periods (0.5 s) of reconciles with nothing to do
+    writes = env.cluster.write_requests(OPERATOR_USER, since=since)
+    mine = [w for w in writes if w.get("objectRef", {}).get("namespace") == env.ns]
+    assert mine == [], [(w["verb"], w["objectRef"]) for w in mine]
+    metrics = env.operator.metrics()
+    assert 'afd_operator_reconciles_total{result="success"}' in metrics
+
+
+def test_scale_up_and_down_highest_index_first(env: Env) -> None:
+    env.create("scaled", base_spec())
+    env.wait_ready("scaled", 1)
+    env.cluster.kubectl("scale", "afd", "scaled", "-n", env.ns, "--replicas=3")
+    status = env.wait_ready("scaled", 3)["status"]
+    assert sorted(i["index"] for i in status["instances"]) == [0, 1, 2]
+    env.cluster.kubectl("scale", "afd", "scaled", "-n", env.ns, "--replicas=1")
+    status = env.wait_ready("scaled", 1)["status"]
+    assert [i["index"] for i in status["instances"]] == [0]
+    wait_for(lambda: len(env.instances()) == 1, "scaled-down instances gone", CONVERGE_SECONDS)
+
+
+def test_topology_rollout_never_drops_serving_or_mixes_revisions(env: Env) -> None:
+    env.create("roll", base_spec())
+    before = env.wait_ready("roll", 1)["status"]["updateRevision"]
+    with ServingWatch(env) as seen:
+        env.patch_spec("roll", {"attention": {"dataParallel": 4}, "ffn": {"ranks": 2}})
+        after = env.wait_ready("roll", 1)
+        wait_for(lambda: len(env.instances()) == 1, "old instance gone", CONVERGE_SECONDS)
+    status = after["status"]
+    assert status["updateRevision"] != before and status["topology"] == "DP4xTP1+EP2"
+    (pods,) = env.instances().values()
+    assert sorted(p.metadata.labels[naming.LABEL_ROLE] for p in pods) == ["attention"] * 4 + ["ffn"] * 2
+    assert seen.min_serving_after_ready == 1, f"serving instances dropped below the floor: {seen.history}"
+    assert seen.mixed == []
+    assert any("rolling update" in e for e in env.events("roll"))
+
+
+def test_revert_mid_rollout_keeps_serving_instance(env: Env) -> None:
+    env.create("rev", base_spec())
+    old = env.wait_ready("rev", 1)["status"]
+    old_instance = old["instances"][0]["name"]
+    env.kubelet.hold_pending(lambda pod: "runtime:v2" in json.dumps(pod["spec"]["containers"][0]["image"]))
+    try:
+        env.patch_spec("rev", {"image": "runtime:v2"})
+        wait_for(lambda: len(env.instances()) == 2, "surge instance created", CONVERGE_SECONDS)
+        env.patch_spec("rev", {"image": "runtime:v1"})  # revert while the new instance is not Ready
+        status = env.wait_ready("rev", 1)["status"]
+        wait_for(lambda: list(env.instances()) == [old_instance], "surge instance removed", CONVERGE_SECONDS)
+    finally:
+        env.kubelet.release()
+    assert status["instances"][0]["name"] == old_instance and status["instances"][0]["restarts"] == 0
+    head = next(p for p in env.pods() if p.metadata.labels[naming.LABEL_HEAD] == "true")
+    assert head.metadata.labels.get(naming.LABEL_SERVING) == "true"
+
+
+def test_three_quick_updates_roll_only_to_the_newest(env: Env) -> None:
+    env.create("quick", base_spec())
+    env.wait_ready("quick", 1)
+    for tag in ("v2", "v3", "v4"):
+        env.patch_spec("quick", {"image": f"runtime:{tag}"})
+        time.sleep(0.3)
+    status = env.wait_ready("quick", 1)["status"]
+    wait_for(lambda: len(env.instances()) == 1, "intermediate instances gone", CONVERGE_SECONDS)
+    (pods,) = env.instances().values()
+    assert {p.spec.containers[0].image for p in pods} == {"runtime:v4"}
+    assert status["instances"][0]["revision"] == status["updateRevision"]
+
+
+def test_pod_failure_recreates_whole_instance(env: Env) -> None:
+    env.create("heal", base_spec())
+    status = env.wait_ready("heal", 1)["status"]
+    first_uids = {p.metadata.uid for p in env.pods()}
+    victim = next(p.metadata.name for p in env.pods() if p.metadata.labels[naming.LABEL_ROLE] == "ffn")
+    env.kubelet.fail_pod(env.ns, victim, exit_code=137, reason="OOMKilled")
+    wait_for(lambda: (env.get("heal")["status"]["instances"][0].get("restarts") == 1), "restart recorded",
+             CONVERGE_SECONDS)
+    status = env.wait_ready("heal", 1)["status"]
+    assert status["instances"][0]["restarts"] == 1
+    assert "OOMKilled" in status["instances"][0]["lastFailure"]
+    new_uids = {p.metadata.uid for p in env.pods()}
+    assert len(new_uids) == 3 and not (new_uids & first_uids), "every pod of the world must be new"
+    assert any(e.startswith("InstanceFailed") for e in env.events("heal"))
+
+
+def test_restart_budget_exhausted_marks_degraded(env: Env) -> None:
+    env.create("doomed", base_spec(recovery={"backoffSeconds": 0, "maxBackoffSeconds": 0, "maxRestarts": 1,
+                                             "unreadyGraceSeconds": 2}))
+    env.wait_ready("doomed", 1)
+    for _ in range(2):
+        wait_for(lambda: len([p for p in env.pods() if p.status.phase == "Running"]) == 3, "instance running",
+                 CONVERGE_SECONDS)
+        victim = next(p.metadata.name for p in env.pods() if p.metadata.labels[naming.LABEL_HEAD] == "true")
+        env.kubelet.fail_pod(env.ns, victim)
+        time.sleep(0.5)
+    degraded = wait_for(lambda: (c := env.condition("doomed", "Degraded")) and c["status"] == "True" and c,
+                        f"Degraded condition", CONVERGE_SECONDS)
+    assert "stays down" in degraded["message"]
+    wait_for(lambda: not env.pods(), "the failed instance's pods removed", CONVERGE_SECONDS)
+    time.sleep(2)
+    assert not env.pods(), "an instance past its restart budget must stay down"
+    assert (env.condition("doomed", "Ready") or {}).get("status") == "False"
+
+
+def test_delete_tears_down_in_order_and_leaves_nothing(env: Env) -> None:
+    env.create("gone", base_spec(replicas=2))
+    env.wait_ready("gone", 2)
+    deleted_at: dict[str, float] = {}
+    stop = threading.Event()
+
+    def follow() -> None:
+        w = watch.Watch()
+        while not stop.is_set():
+            for event in w.stream(env.core.list_namespaced_pod, env.ns, timeout_seconds=1):
+                if event["type"] == "DELETED":
+                    deleted_at[event["object"].metadata.name] = time.monotonic()
+
+    follower = threading.Thread(target=follow, daemon=True)
+    follower.start()
+    time.sleep(0.5)
+    env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, "gone")
+    wait_for(lambda: env.get("gone") is None, "finalizer removed", CONVERGE_SECONDS)
+    stop.set()
+    follower.join(timeout=5)
+    assert env.owned() == {"pods": [], "services": [], "configmaps": []}
+    for instance in {n.rsplit("-", 2)[0] for n in deleted_at}:
+        attention = [t for n, t in deleted_at.items() if n.startswith(instance) and "-attn-" in n]
+        ffn = [t for n, t in deleted_at.items() if n.startswith(instance) and "-ffn-" in n]
+        assert attention and ffn and max(attention) <= min(ffn), "Attention pods must go before FFN pods"
+
+
+def test_operator_killed_mid_rollout_converges_without_duplicates(env: Env, operator: OperatorProcess) -> None:
+    env.create("crash", base_spec(replicas=2))
+    env.wait_ready("crash", 2)
+    env.patch_spec("crash", {"image": "runtime:v2"})
+    for delay in (0.3, 1.0, 2.0):
+        time.sleep(delay)
+        operator.kill()
+        operator.start()
+    status = env.wait_ready("crash", 2, timeout=60)["status"]
+    wait_for(lambda: len(env.instances()) == 2, "old instances gone", CONVERGE_SECONDS)
+    names = [i["name"] for i in status["instances"]]
+    assert len(names) == len(set(names)) == 2
+    pods = env.pods()
+    assert {p.spec.containers[0].image for p in pods} == {"runtime:v2"}
+    assert len(pods) == 6 and len({p.metadata.name for p in pods}) == 6
+    owned = env.owned()
+    assert owned["services"] == sorted(["crash", *names])
+    assert len(owned["configmaps"]) == 1
+
+
+def test_invalid_spec_reported_in_config_valid(env: Env) -> None:
+    bad = base_spec()
+    bad["ffn"] = {"ranks": 3, "devicesPerPod": 1}  # 8 routed experts are not divisible by 3
+    env.create("wrong", bad)
+    cond = wait_for(lambda: (c := env.condition("wrong", "ConfigValid")) and c["status"] == "False" and c,
+                    "ConfigValid=False", CONVERGE_SECONDS)
+    assert "spec.ffn.ranks: must divide model.routedExperts (8)" in cond["message"]
+    assert env.pods() == []
+
+
+def test_metrics_are_promtool_clean(env: Env, operator: OperatorProcess) -> None:
+    env.create("metered", base_spec())
+    env.wait_ready("metered", 1)
+    text = operator.metrics()
+    for name in ("afd_operator_reconciles_total", "afd_operator_reconcile_duration_seconds_bucket",
+                 "afd_operator_api_writes_total", "afd_operator_instances", "afd_operator_rollout_in_progress",
+                 "afd_operator_instance_time_to_ready_seconds_bucket"):
+        assert name in text, name
+    assert f'afd_operator_instances{{deployment="metered",namespace="{env.ns}",phase="Ready"}} 1.0' in text
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool (Debian package prometheus) is required"
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
