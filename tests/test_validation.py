@@ -59,6 +59,8 @@ MALFORMED = [
     ("spec.sharedExperts.placement", "both", "spec.sharedExperts.placement", "'ffn' or 'attention'"),
     ("spec.sharedExperts.partition", "random", "spec.sharedExperts.partition", "'affinity' or 'contiguous'"),
     ("spec.connector.port", 0, "spec.connector.port", "greater than or equal to 1"),
+    ("spec.connector.name", "camconnector", "spec.connector.name", "needs the plugin's async connector"),
+    ("spec.connector.extraConfig", {"dynamicQuant": 1}, "spec.connector.extraConfig.dynamicQuant", "not supported"),
     ("spec.connector.port", 70000, "spec.connector.port", "less than or equal to 65535"),
     ("spec.connector.port", 8000, "spec.connector.port", "collides with spec.service.port"),
     ("spec.attention.dataParallel", 0, "spec.attention.dataParallel", "greater than or equal to 1"),

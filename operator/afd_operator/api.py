@@ -22,8 +22,8 @@ PLURAL = "afddeployments"
 SINGULAR = "afddeployment"
 SHORT_NAMES = ["afd"]
 
-# The plugin's async connector (plugin/afd_shared_experts) is what `ffn` placement needs.
-DEFAULT_CONNECTOR = "afd_shared_experts.async"
+# The plugin's async point-to-point connector (plugin/afd_shared_experts): what `ffn` placement needs.
+DEFAULT_CONNECTOR = "p2p"
 DEFAULT_RESOURCE_NAME = "huawei.com/Ascend910"
 DEFAULT_DRIVER_HOST_PATHS = ["/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi"]
 

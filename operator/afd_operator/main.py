@@ -17,9 +17,6 @@ from .settings import OperatorConfig
 from .wakeups import Wakeups
 from .writer import Writer
 
-WEBHOOK_CONFIGURATION = f"{GROUP}.validation"
-
-
 def register(config: OperatorConfig) -> None:
     """Handlers that depend on the configuration (the webhook needs a server to exist)."""
     if config.webhook is not None:
@@ -51,7 +48,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         settings.admission.server = kopf.WebhookServer(
             addr=config.webhook.listen_address, port=config.webhook.port, host=config.webhook.host,
             certfile=config.webhook.certfile, pkeyfile=config.webhook.keyfile)
-        settings.admission.managed = WEBHOOK_CONFIGURATION
+        if config.webhook.configuration_name:
+            settings.admission.managed = config.webhook.configuration_name
     metrics = OperatorMetrics(config.registry)
     memo.metrics = metrics
     memo.reconciler = Reconciler(Writer(config.api_client(), metrics), metrics)

@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--webhook-listen", default="0.0.0.0", help="webhook listen address (default 0.0.0.0)")
     p.add_argument("--webhook-cert", help="TLS certificate (PEM) for the webhook")
     p.add_argument("--webhook-key", help="TLS private key (PEM) for the webhook")
+    p.add_argument("--webhook-configuration", metavar="NAME",
+                   help="create and maintain this ValidatingWebhookConfiguration, a fully qualified name "
+                        "such as validation.afd.inference.dev (default: none; "
+                        "the Helm chart installs its own)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -52,7 +56,8 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         if missing:
             raise SystemExit(f"afd-operator: --webhook-port needs {', '.join(missing)}")
         webhook = WebhookConfig(port=args.webhook_port, host=args.webhook_host, certfile=args.webhook_cert,
-                                keyfile=args.webhook_key, listen_address=args.webhook_listen)
+                                keyfile=args.webhook_key, listen_address=args.webhook_listen,
+                                configuration_name=args.webhook_configuration)
     if args.resync_seconds <= 0:
         raise SystemExit("afd-operator: --resync-seconds must be > 0")
     return OperatorConfig(

@@ -17,6 +17,9 @@ class WebhookConfig:
     certfile: str
     keyfile: str
     listen_address: str = "0.0.0.0"
+    # When set, the operator creates and keeps this ValidatingWebhookConfiguration itself;
+    # otherwise one is installed separately (the Helm chart does).
+    configuration_name: Optional[str] = None
 
 
 @dataclass

@@ -20,6 +20,8 @@ from .planner import attention_layout, ffn_layout, instance_ports, uses_host_net
 from .revision import REVISION_LENGTH
 
 PORT_MAX = 65535
+# The plugin's connector that carries shared-expert rows in its dispatch header.
+SHARED_EXPERTS_CONNECTORS = ("p2p",)
 MAX_INDEX_DIGITS = 4  # names are checked for instance indices up to 9999
 _DNS_1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
@@ -233,6 +235,18 @@ def check_spec(spec: AFDDeploymentSpec, name: str) -> list[Problem]:
             "spec.recovery.maxBackoffSeconds",
             f"must be >= recovery.backoffSeconds ({spec.recovery.backoff_seconds})",
         ))
+    if spec.shared_experts.placement == "ffn":
+        if spec.connector.name.lower() not in SHARED_EXPERTS_CONNECTORS:
+            problems.append(Problem(
+                "spec.connector.name",
+                f"sharedExperts.placement 'ffn' needs the plugin's async connector "
+                f"({', '.join(SHARED_EXPERTS_CONNECTORS)}); got '{spec.connector.name}'",
+            ))
+        if spec.connector.extra_config.get("dynamicQuant"):
+            problems.append(Problem(
+                "spec.connector.extraConfig.dynamicQuant",
+                "quantized dispatch is not supported with sharedExperts.placement 'ffn'",
+            ))
     gang = spec.scheduling.gang
     if gang.queue is not None and gang.provider != "volcano":
         problems.append(Problem("spec.scheduling.gang.queue", "is only used with gang.provider 'volcano'"))

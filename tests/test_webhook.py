@@ -1,0 +1,73 @@
+"""Validating admission for real: the apiserver calls the operator's webhook over TLS."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import yaml
+
+from afd_operator.devcluster import ControlPlane, free_port
+from afd_operator.devcluster.certs import self_signed_certificate
+from afd_operator.devcluster.operator_process import OperatorProcess
+from k8s_helpers import wait_for
+
+pytestmark = pytest.mark.apiserver
+
+CONFIGURATION = "afd-test.validation.afd.inference.dev"  # webhook names must be fully qualified
+
+
+@pytest.fixture(scope="module")
+def webhook_operator(cluster: ControlPlane, repo_root: Path, tmp_path_factory) -> Iterator[OperatorProcess]:
+    cluster.kubectl("apply", "-f", str(repo_root / "crds" / "afd.inference.dev_afddeployments.yaml"))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/afddeployments.afd.inference.dev", "--timeout=30s")
+    workdir = tmp_path_factory.mktemp("webhook")
+    cert, key = self_signed_certificate(workdir, ["127.0.0.1"])
+    port = free_port()
+    proc = OperatorProcess(cluster.operator_kubeconfig, workdir / "operator.log", extra_args=(
+        "--webhook-port", str(port), "--webhook-host", "127.0.0.1", "--webhook-listen", "127.0.0.1",
+        "--webhook-cert", str(cert), "--webhook-key", str(key), "--webhook-configuration", CONFIGURATION,
+    )).start()
+    wait_for(lambda: cluster.kubectl("get", "validatingwebhookconfiguration", CONFIGURATION,
+                                     check=False).returncode == 0, "webhook configuration registered", 30)
+    yield proc
+    proc.stop()
+    cluster.kubectl("delete", "validatingwebhookconfiguration", CONFIGURATION, "--ignore-not-found")
+
+
+@pytest.fixture()
+def namespace(cluster: ControlPlane) -> str:
+    name = f"wh-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", name)
+    return name
+
+
+def test_invalid_cr_rejected_with_every_problem(cluster: ControlPlane, webhook_operator: OperatorProcess,
+                                                namespace: str, examples: list[Path]) -> None:
+    doc = yaml.safe_load(next(p for p in examples if p.name == "small-ascend.yaml").read_text())
+    doc["metadata"]["namespace"] = namespace
+    doc["spec"]["ffn"]["ranks"] = 3  # 64 routed experts are not divisible by 3
+    doc["spec"]["attention"]["tensorParallel"] = 3
+    doc["spec"]["recovery"] = {"backoffSeconds": 10, "maxBackoffSeconds": 1}
+    result = cluster.kubectl("apply", "-f", "-", input_text=yaml.safe_dump(doc), check=False)
+    assert result.returncode != 0
+    assert "admission webhook" in result.stderr and "denied the request" in result.stderr
+    for expected in ("spec.ffn.ranks: must divide model.routedExperts (64)",
+                     "spec.attention.tensorParallel: must divide attention.devicesPerPod (2)",
+                     "spec.recovery.maxBackoffSeconds: must be >= recovery.backoffSeconds (10)"):
+        assert expected in result.stderr, result.stderr
+    assert cluster.kubectl("get", "afd", "-n", namespace, "-o", "name").stdout.strip() == ""
+
+
+def test_valid_cr_admitted_and_updates_checked(cluster: ControlPlane, webhook_operator: OperatorProcess,
+                                               namespace: str, examples: list[Path]) -> None:
+    doc = yaml.safe_load(next(p for p in examples if p.name == "cpu-tiny.yaml").read_text())
+    doc["metadata"]["namespace"] = namespace
+    cluster.kubectl("apply", "-f", "-", input_text=yaml.safe_dump(doc))
+    bad = cluster.kubectl("patch", "afd", doc["metadata"]["name"], "-n", namespace, "--type=merge",
+                          "-p", '{"spec": {"ffn": {"ranks": 3}}}', check=False)
+    assert bad.returncode != 0 and "spec.ffn.ranks" in bad.stderr
+    scaled = cluster.kubectl("scale", "afd", doc["metadata"]["name"], "-n", namespace, "--replicas=2")
+    assert scaled.returncode == 0
