@@ -10,6 +10,10 @@ p = tomllib.load(open(sys.argv[1], "rb"))["project"]
 print(json.dumps([p.get("dependencies"), p.get("optional-dependencies")], sort_keys=True))' "$REPO_ROOT/pyproject.toml")"
 key="$( (echo "$deps"; cat "$REPO_ROOT/scripts/dev-env.sh") | sha256sum | cut -c1-16)"
 VENV="$AFD_CACHE_DIR/venv/dev-$key"
+mkdir -p "$AFD_CACHE_DIR/venv"
+# Concurrent callers (parallel jobs, a developer beside CI) must not build the same venv twice.
+exec 9>"$VENV.lock"
+flock 9
 if [ ! -f "$VENV/.complete" ]; then
   log "creating $VENV"
   rm -rf "$VENV"

@@ -283,3 +283,14 @@ def test_old_revision_judged_by_its_own_layout() -> None:
     # The complete, Ready old world keeps serving while the new one is created.
     assert [(a.kind, a.role, a.index) for a in d.actions] == [("create_pods", "ffn", 1)]
     assert [r.phase for r in d.instances] == ["Ready", "Pending"]
+
+
+def test_drain_ends_early_when_head_reports_idle() -> None:
+    spec = spec_of(replicas=0, termination={"drainSeconds": 600})
+    pods = [replace(p, drain_started_at=NOW - 1, serving=False) if p.head else p
+            for p in pods_of(spec, 0, "ready")]
+    rec = [record(spec, 0, "Draining")]
+    assert run(spec, pods, rec).actions == []  # busy (or unknown): wait the window
+    head = next(p.name for p in pods if p.head)
+    d = decide(spec, "d", revision_of(spec), pods, rec, NOW, idle_heads=frozenset({head}))
+    assert [(a.kind, len(a.pods)) for a in d.actions] == [("delete_pods", 2)]

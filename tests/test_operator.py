@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import shutil
 import subprocess
@@ -84,7 +85,10 @@ class Env:
                     and status.get("observedGeneration") == obj["metadata"]["generation"]
                     and len(instances) == replicas and all(i["revision"] == rev for i in instances))
             return obj if done else None
-        return wait_for(ready, f"{name} Ready with {replicas} instance(s)", timeout, interval=0.2)
+        try:
+            return wait_for(ready, f"{name} Ready with {replicas} instance(s)", timeout, interval=0.2)
+        except AssertionError as err:
+            raise AssertionError(f"{err}; last status: {(self.get(name) or {}).get('status')}") from None
 
     # -- children -----------------------------------------------------------------------------
     def pods(self) -> list[Any]:
@@ -386,3 +390,64 @@ def test_metrics_are_promtool_clean(env: Env, operator: OperatorProcess) -> None
     assert promtool, "promtool (Debian package prometheus) is required"
     result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_unschedulable_surge_is_reported_not_awaited(env: Env) -> None:
+    env.create("stuck", base_spec(recovery={"backoffSeconds": 30, "maxBackoffSeconds": 60}))
+    env.wait_ready("stuck", 1)
+    env.kubelet.hold_pending(lambda pod: pod["spec"]["containers"][0]["image"] == "runtime:v2")
+    try:  # a short startup timeout from now on: it is not part of the revision
+        env.patch_spec("stuck", {"image": "runtime:v2", "startup": {"timeoutSeconds": 2}})
+        cond = wait_for(lambda: (c := env.condition("stuck", "Progressing")) and
+                        c.get("reason") == "SurgeUnschedulable" and c, "SurgeUnschedulable reason", CONVERGE_SECONDS)
+    finally:
+        env.kubelet.release()
+    assert "Pending after 2s" in cond["message"]
+    # The old instance kept serving the whole time.
+    head = next(p for p in env.pods() if p.metadata.labels.get(naming.LABEL_SERVING) == "true")
+    assert head.spec.containers[0].image == "runtime:v1"
+
+
+class FakeVllmMetrics:
+    """A /metrics endpoint on a pod's (loopback) IP and API port, as vLLM serves it."""
+
+    def __init__(self, ip: str, port: int):
+        self.running = 1
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = (f'# TYPE vllm:num_requests_running gauge\n'
+                        f'vllm:num_requests_running{{model_name="tiny"}} {outer.running}.0\n').encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer((ip, port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_drain_waits_for_running_requests_not_the_full_window(env: Env) -> None:
+    env.create("busy", base_spec(termination={"gracePeriodSeconds": 5, "drainSeconds": 300}))
+    env.wait_ready("busy", 1)
+    head = next(p for p in env.pods() if p.metadata.labels[naming.LABEL_HEAD] == "true")
+    api_port = next(p.container_port for p in head.spec.containers[0].ports if p.name == "api")
+    metrics = FakeVllmMetrics(head.status.pod_ip, api_port)
+    try:
+        env.cluster.kubectl("scale", "afd", "busy", "-n", env.ns, "--replicas=0")
+        wait_for(lambda: naming.LABEL_SERVING not in (env.core.read_namespaced_pod(
+            head.metadata.name, env.ns).metadata.labels or {}), "head left the Service", CONVERGE_SECONDS)
+        time.sleep(2)
+        assert len(env.pods()) == 3, "a head still running requests must not be deleted"
+        metrics.running = 0
+        wait_for(lambda: not env.pods(), "drain finished once the head is idle", 20)
+    finally:
+        metrics.close()

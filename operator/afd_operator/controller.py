@@ -188,8 +188,9 @@ class _Planner:
     """Accumulates one decision; methods read like the rules they implement."""
 
     def __init__(self, spec: AFDDeploymentSpec, name: str, revision: str, now: float,
-                 layouts: Mapping[str, Mapping[str, int]]):
+                 layouts: Mapping[str, Mapping[str, int]], idle_heads: frozenset[str]):
         self.spec, self.name, self.revision, self.now = spec, name, revision, now
+        self.idle_heads = idle_heads
         self.layouts = {**layouts, revision: expected_pods(spec)}
         self.decision = Decision()
 
@@ -217,7 +218,8 @@ class _Planner:
             act.append(Action("start_drain", view.name, pods=(head.name,)))
             self.decision.wake_at(self.now + self.spec.termination.drain_seconds)
             return
-        if serving and self.now < head.drain_started_at + self.spec.termination.drain_seconds:
+        window_open = serving and self.now < head.drain_started_at + self.spec.termination.drain_seconds
+        if window_open and head.name not in self.idle_heads:
             self.decision.wake_at(head.drain_started_at + self.spec.termination.drain_seconds)
             return
         attention = [p for p in view.of_role("attention") if not p.deleting]
@@ -292,11 +294,13 @@ def decide(
     now: float,
     deleting: bool = False,
     layouts: Mapping[str, Mapping[str, int]] = {},
+    idle_heads: frozenset[str] = frozenset(),
 ) -> Decision:
     """Everything the operator should do now for one AFDDeployment. `layouts` gives the pods
     per role of older revisions (from their snapshots), so their instances are judged by
-    their own shape."""
-    p = _Planner(spec, name, revision, now, layouts)
+    their own shape; `idle_heads` are draining heads that report no running request, whose
+    drain need not wait out termination.drainSeconds."""
+    p = _Planner(spec, name, revision, now, layouts, idle_heads)
     d = p.decision
     views = _views(records, pods)
 
@@ -416,14 +420,18 @@ def decide(
                 d.wake_at(pod.ready_changed_at + spec.recovery.unready_grace_seconds)
 
     old_remaining = [v for v in views.values() if v.revision != revision]
+    # An instance whose pods could not be scheduled is retried with backoff; until it runs,
+    # the rollout says why it is stuck instead of waiting silently.
+    unschedulable = [v for v in current if v.record.phase == FAILED
+                     and (v.record.last_failure or "").startswith("Unschedulable")]
     d.rollout_in_progress = bool(old_remaining) or any(
         v.record.phase != READY for v in current) or len(current) != (
         max(replicas - min(us.partition, len(old_remaining)), 0) if us.type == "RollingUpdate" else replicas)
     if paused_rollout:
         d.progress_reason, d.progress_message = "Paused", "updateStrategy.paused is set"
-    elif any((v.failure or "").startswith("Unschedulable") for v in current):
-        d.progress_reason = "SurgeUnschedulable"
-        d.progress_message = next(v.failure for v in current if (v.failure or "").startswith("Unschedulable"))
+    elif unschedulable:
+        d.progress_reason = "SurgeUnschedulable" if old_remaining else "Unschedulable"
+        d.progress_message = f"instance {unschedulable[0].name}: {unschedulable[0].record.last_failure}"
     elif d.rollout_in_progress:
         d.progress_reason = "RollingUpdate" if old_remaining else "Scaling"
         d.progress_message = (f"{sum(1 for v in current if v.record.phase == READY)}/{replicas} instance(s) of "

@@ -41,6 +41,8 @@ class ObservedPod:
     drain_started_at: Optional[float]
     termination: Optional[str]  # why the container stopped, when it did
     unschedulable: Optional[str]  # the scheduler's message while Pending
+    pod_ip: Optional[str] = None
+    api_port: Optional[int] = None  # the container port named "api" (Attention heads)
 
 
 def _condition(status: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
@@ -56,6 +58,14 @@ def _termination(status: Mapping[str, Any]) -> Optional[str]:
         if term:
             reason = term.get("reason") or "Terminated"
             return f"container {cs.get('name')} {reason} (exit code {term.get('exitCode')})"
+    return None
+
+
+def _named_port(spec: Mapping[str, Any], name: str) -> Optional[int]:
+    for container in spec.get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == name:
+                return port.get("containerPort")
     return None
 
 
@@ -94,6 +104,8 @@ def summarize_pod(body: Mapping[str, Any], created_at: Optional[float] = None) -
         drain_started_at=parse_time((meta.get("annotations") or {}).get(naming.ANNOTATION_DRAIN_STARTED)),
         termination=_termination(status),
         unschedulable=scheduled.get("message") if scheduled.get("reason") == "Unschedulable" else None,
+        pod_ip=status.get("podIP"),
+        api_port=_named_port(spec, "api"),
     )
 
 

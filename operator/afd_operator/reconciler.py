@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import urllib.request
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Optional
 
@@ -44,6 +45,9 @@ class Observed:
 
 
 INTENT_TTL_SECONDS = 30.0
+DRAIN_PROBE_TIMEOUT_SECONDS = 0.5
+# vLLM's gauge of requests being processed; a draining head at 0 has finished its work.
+RUNNING_REQUESTS_METRIC = "vllm:num_requests_running"
 
 
 class Intents:
@@ -159,7 +163,9 @@ class Reconciler:
         observed = Observed(pods=pods, objects=observed.objects)
         layouts = {o.labels.get(naming.LABEL_REVISION, ""): {"ffn": o.spec["ffnPods"], "attention": o.spec["attentionPods"]}
                    for o in observed.objects if o.kind == "ConfigMap" and "ffnPods" in o.spec}
-        decision = decide(spec, name, revision, pods, records_from_status(previous), now, deleting, layouts)
+        idle = frozenset(p.name for p in pods if p.head and p.drain_started_at is not None and not p.deleting
+                         and self.head_is_idle(p))
+        decision = decide(spec, name, revision, pods, records_from_status(previous), now, deleting, layouts, idle)
         for action in decision.actions:
             log.info("%s/%s: %s %s %s", namespace, name, action.kind, action.instance,
                      action.role or ",".join(action.pods))
@@ -192,6 +198,23 @@ class Reconciler:
             self._write_status(namespace, name, status)
         self._record_metrics(namespace, name, decision)
         return ReconcileResult(finished=False, next_wakeup=decision.next_wakeup)
+
+    # -- drain probe ------------------------------------------------------------------------
+    @staticmethod
+    def head_is_idle(pod: ObservedPod) -> bool:
+        """Whether a draining Attention head reports no running request on its vLLM /metrics.
+        Unreachable or unreadable metrics mean "not known idle": the drain waits its window."""
+        if not pod.pod_ip or not pod.api_port:
+            return False
+        try:
+            with urllib.request.urlopen(f"http://{pod.pod_ip}:{pod.api_port}/metrics",
+                                        timeout=DRAIN_PROBE_TIMEOUT_SECONDS) as resp:
+                text = resp.read().decode("utf-8", "replace")
+        except (OSError, ValueError):
+            return False
+        running = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(RUNNING_REQUESTS_METRIC) and not line.startswith("#")]
+        return bool(running) and sum(running) == 0
 
     # -- status ---------------------------------------------------------------------------
     def _latest_status(self, namespace: str, name: str, resource_version: Optional[str],
