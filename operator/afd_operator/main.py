@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import kopf
@@ -43,7 +44,6 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # The operator posts its own events (state changes only); kopf's per-handler chatter
     # would be a write for every loop.
     settings.posting.level = logging.WARNING
-    settings.execution.max_workers = config.max_workers
     if config.webhook is not None:
         settings.admission.server = kopf.WebhookServer(
             addr=config.webhook.listen_address, port=config.webhook.port, host=config.webhook.host,
@@ -54,5 +54,6 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.metrics = metrics
     memo.reconciler = Reconciler(Writer(config.api_client(), metrics), metrics)
     memo.wakeups = Wakeups()
+    memo.executor = ThreadPoolExecutor(max_workers=config.reconcile_workers, thread_name_prefix="reconcile")
     memo.resync_seconds = config.resync_seconds
     logging.getLogger(__name__).info("afd-operator started; labels %s=%s", naming.LABEL_MANAGED_BY, naming.MANAGER)

@@ -8,6 +8,7 @@ A run with nothing to do writes nothing.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, replace
@@ -59,22 +60,31 @@ class Intents:
     """
 
     def __init__(self) -> None:
+        # Every store maps (namespace, pod) -> (when, what was intended).
         self._created: dict[tuple[str, str], tuple[float, ObservedPod]] = {}
-        self._deleted: dict[tuple[str, str], float] = {}
-        self._labels: dict[tuple[str, str], tuple[float, bool, Optional[float]]] = {}  # serving, drain start
+        self._deleted: dict[tuple[str, str], tuple[float, None]] = {}
+        self._labels: dict[tuple[str, str], tuple[float, tuple[bool, Optional[float]]]] = {}  # serving, drain start
+        self._lock = threading.Lock()  # reconciliations of different deployments run in parallel
 
     def created(self, namespace: str, pod: ObservedPod, now: float) -> None:
-        self._created[(namespace, pod.name)] = (now, pod)
+        with self._lock:
+            self._created[(namespace, pod.name)] = (now, pod)
 
     def deleted(self, namespace: str, name: str, now: float) -> None:
-        self._deleted[(namespace, name)] = now
+        with self._lock:
+            self._deleted[(namespace, name)] = (now, None)
 
     def labelled(self, namespace: str, name: str, serving: bool, drain_started_at: Optional[float], now: float) -> None:
-        self._labels[(namespace, name)] = (now, serving, drain_started_at)
+        with self._lock:
+            self._labels[(namespace, name)] = (now, (serving, drain_started_at))
 
     def overlay(self, namespace: str, deployment: str, pods: Iterable[ObservedPod], now: float) -> tuple[ObservedPod, ...]:
+        with self._lock:
+            return self._overlay(namespace, deployment, pods, now)
+
+    def _overlay(self, namespace: str, deployment: str, pods: Iterable[ObservedPod], now: float) -> tuple[ObservedPod, ...]:
         for store in (self._created, self._deleted, self._labels):
-            for key in [k for k, v in store.items() if now - (v if isinstance(v, float) else v[0]) > INTENT_TTL_SECONDS]:
+            for key in [k for k, (when, _) in store.items() if now - when > INTENT_TTL_SECONDS]:
                 del store[key]
         out = []
         seen = set()
@@ -88,7 +98,7 @@ class Intents:
                 else:
                     pod = replace(pod, deleting=True)
             if key in self._labels:
-                _, serving, drain = self._labels[key]
+                _, (serving, drain) = self._labels[key]
                 if pod.serving == serving and pod.drain_started_at == drain:
                     del self._labels[key]
                 else:
@@ -128,6 +138,7 @@ class Reconciler:
         # The last status this process wrote, with the resourceVersion it produced: the watch
         # cache may hand us the object from before that write.
         self._written: dict[tuple[str, str], tuple[int, dict[str, Any]]] = {}
+        self._lock = threading.Lock()
 
     # -- entry point ----------------------------------------------------------------------
     def reconcile(self, body: Mapping[str, Any], observed: Observed, now: Optional[float] = None,
@@ -219,23 +230,25 @@ class Reconciler:
     # -- status ---------------------------------------------------------------------------
     def _latest_status(self, namespace: str, name: str, resource_version: Optional[str],
                        observed: dict[str, Any]) -> dict[str, Any]:
-        written = self._written.get((namespace, name))
-        if written is None or resource_version is None:
-            return observed
-        written_rv, status = written
-        try:
-            stale = int(resource_version) < written_rv  # etcd revisions: integers in practice
-        except ValueError:
-            return observed
-        if not stale:
-            del self._written[(namespace, name)]
-            return observed
-        return status
+        with self._lock:
+            written = self._written.get((namespace, name))
+            if written is None or resource_version is None:
+                return observed
+            written_rv, status = written
+            try:
+                stale = int(resource_version) < written_rv  # etcd revisions: integers in practice
+            except ValueError:
+                return observed
+            if not stale:
+                del self._written[(namespace, name)]
+                return observed
+            return status
 
     def _write_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         rv = self.writer.patch_status(namespace, name, status)
         if rv is not None and rv.isdigit():
-            self._written[(namespace, name)] = (int(rv), status)
+            with self._lock:
+                self._written[(namespace, name)] = (int(rv), status)
 
     # -- pieces ---------------------------------------------------------------------------
     @staticmethod

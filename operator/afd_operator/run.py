@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="liveness probe endpoint served by kopf (default http://0.0.0.0:8081/healthz)")
     p.add_argument("--resync-seconds", type=float, default=10.0,
                    help="reconcile each AFDDeployment at least this often (default 10)")
+    p.add_argument("--reconcile-workers", type=int, default=8,
+                   help="threads that run reconciliations concurrently (default 8)")
     p.add_argument("--watch-timeout-seconds", type=int, default=300, help="server-side watch timeout (default 300)")
     p.add_argument("--webhook-port", type=int, help="serve the validating admission webhook on this port")
     p.add_argument("--webhook-host", help="host name or IP the apiserver uses to reach the webhook "
@@ -60,6 +62,8 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
                                 configuration_name=args.webhook_configuration)
     if args.resync_seconds <= 0:
         raise SystemExit("afd-operator: --resync-seconds must be > 0")
+    if args.reconcile_workers < 1:
+        raise SystemExit("afd-operator: --reconcile-workers must be >= 1")
     return OperatorConfig(
         namespaces=list(args.namespace),
         kubeconfig=None if args.in_cluster else args.kubeconfig,
@@ -67,6 +71,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         liveness_endpoint=args.liveness or None,
         resync_seconds=args.resync_seconds,
         watch_timeout_seconds=args.watch_timeout_seconds,
+        reconcile_workers=args.reconcile_workers,
         webhook=webhook,
     )
 

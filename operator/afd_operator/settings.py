@@ -30,7 +30,7 @@ class OperatorConfig:
     liveness_endpoint: Optional[str] = None
     resync_seconds: float = 10.0
     watch_timeout_seconds: int = 300
-    max_workers: int = 16
+    reconcile_workers: int = 8  # threads running reconciliations (blocking API calls)
     webhook: Optional[WebhookConfig] = None
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 

@@ -1,10 +1,10 @@
-"""Per-deployment wake-up signals and locks shared by the watch handlers and the
-reconcile loops (which run in kopf's daemon threads)."""
+"""Per-deployment wake-up signals and locks, shared by the watch handlers and the reconcile
+loops. Everything here lives on kopf's event loop; reconciliations themselves run in a
+thread pool (they make blocking API calls)."""
 
 from __future__ import annotations
 
-import threading
-import time
+import asyncio
 from typing import Any
 
 # How often a sleeping loop checks whether kopf asked it to stop.
@@ -13,31 +13,33 @@ STOP_POLL_SECONDS = 0.5
 
 class Wakeups:
     def __init__(self) -> None:
-        self._guard = threading.Lock()
-        self._events: dict[tuple[str, str], threading.Event] = {}
-        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._events: dict[tuple[str, str], asyncio.Event] = {}
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
-    def event(self, namespace: str, name: str) -> threading.Event:
-        with self._guard:
-            return self._events.setdefault((namespace, name), threading.Event())
+    def event(self, namespace: str, name: str) -> asyncio.Event:
+        return self._events.setdefault((namespace, name), asyncio.Event())
 
-    def lock(self, namespace: str, name: str) -> threading.Lock:
-        with self._guard:
-            return self._locks.setdefault((namespace, name), threading.Lock())
+    def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self._locks.setdefault((namespace, name), asyncio.Lock())
 
     def wake(self, namespace: str, name: str) -> None:
         self.event(namespace, name).set()
 
     def forget(self, namespace: str, name: str) -> None:
-        with self._guard:
-            self._events.pop((namespace, name), None)
-            self._locks.pop((namespace, name), None)
+        self._events.pop((namespace, name), None)
+        self._locks.pop((namespace, name), None)
 
     @staticmethod
-    def wait(wake: threading.Event, stopped: Any, timeout: float) -> None:
+    async def wait(wake: asyncio.Event, stopped: Any, timeout: float) -> None:
         """Sleep until woken, stopped, or `timeout` seconds pass."""
-        deadline = time.monotonic() + timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         while not stopped:
-            left = deadline - time.monotonic()
-            if left <= 0 or wake.wait(min(left, STOP_POLL_SECONDS)):
+            left = deadline - loop.time()
+            if left <= 0:
                 return
+            try:
+                await asyncio.wait_for(wake.wait(), min(left, STOP_POLL_SECONDS))
+                return
+            except asyncio.TimeoutError:
+                continue

@@ -15,7 +15,7 @@ OWNED = {naming.LABEL_MANAGED_BY: naming.MANAGER, naming.LABEL_DEPLOYMENT: kopf.
 
 
 @kopf.index("pods", labels=OWNED)
-def afd_pods(namespace: str, labels: dict, body: Any, **_: Any) -> Any:
+async def afd_pods(namespace: str, labels: dict, body: Any, **_: Any) -> Any:
     pod = summarize_pod(body)
     return {(namespace, labels[naming.LABEL_DEPLOYMENT]): pod} if pod else None
 
@@ -33,20 +33,20 @@ def _plan_summary(body: Any) -> dict:
 
 
 @kopf.index("services", labels=OWNED)
-def afd_services(namespace: str, labels: dict, body: Any, **_: Any) -> Any:
+async def afd_services(namespace: str, labels: dict, body: Any, **_: Any) -> Any:
     return {(namespace, labels[naming.LABEL_DEPLOYMENT]): _object("Service", body, dict(body.get("spec") or {}))}
 
 
 @kopf.index("configmaps", labels=OWNED)
-def afd_configmaps(namespace: str, labels: dict, body: Any, **_: Any) -> Any:
+async def afd_configmaps(namespace: str, labels: dict, body: Any, **_: Any) -> Any:
     return {(namespace, labels[naming.LABEL_DEPLOYMENT]): _object("ConfigMap", body, _plan_summary(body))}
 
 
 @kopf.on.event("pods", labels=OWNED)
-def wake_on_pod_change(namespace: str, labels: dict, memo: kopf.Memo, **_: Any) -> None:
+async def wake_on_pod_change(namespace: str, labels: dict, memo: kopf.Memo, **_: Any) -> None:
     memo.wakeups.wake(namespace, labels[naming.LABEL_DEPLOYMENT])
 
 
 @kopf.on.event("services", labels=OWNED)
-def wake_on_service_change(namespace: str, labels: dict, memo: kopf.Memo, **_: Any) -> None:
+async def wake_on_service_change(namespace: str, labels: dict, memo: kopf.Memo, **_: Any) -> None:
     memo.wakeups.wake(namespace, labels[naming.LABEL_DEPLOYMENT])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import functools
 import logging
 import time
 from typing import Any
@@ -30,36 +32,46 @@ def _snapshot(body: kopf.Body) -> dict[str, Any]:
     return copy.deepcopy({"metadata": dict(body.metadata), "spec": dict(body.spec), "status": dict(body.status)})
 
 
+async def _reconcile(memo: kopf.Memo, body: kopf.Body, observed: Observed, deleting: bool = False):
+    # Reconciliations make blocking API calls: run them on the operator's own thread pool so
+    # that kopf's workers (and every other deployment's loop) stay free.
+    snapshot = _snapshot(body)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(
+        memo.executor, functools.partial(memo.reconciler.reconcile, snapshot, observed, deleting=deleting))
+
+
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def wake_on_change(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def wake_on_change(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     memo.wakeups.wake(namespace, name)
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
-def reconcile_loop(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
-                   afd_pods: kopf.Index, afd_services: kopf.Index, afd_configmaps: kopf.Index, **_: Any) -> None:
+async def reconcile_loop(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
+                         afd_pods: kopf.Index, afd_services: kopf.Index, afd_configmaps: kopf.Index,
+                         **_: Any) -> None:
     wake = memo.wakeups.event(namespace, name)
     while not stopped and not body.metadata.get("deletionTimestamp"):
         wake.clear()
         delay = memo.resync_seconds
         try:
-            with memo.wakeups.lock(namespace, name):
-                result = memo.reconciler.reconcile(
-                    _snapshot(body), _observed(namespace, name, afd_pods, afd_services, afd_configmaps))
+            async with memo.wakeups.lock(namespace, name):
+                result = await _reconcile(memo, body, _observed(namespace, name, afd_pods, afd_services,
+                                                                afd_configmaps))
             if result.next_wakeup is not None:
                 delay = min(delay, max(result.next_wakeup - time.time(), 0.05))
         except Exception:
             log.exception("reconciling %s/%s failed; retrying", namespace, name)
             delay = ERROR_RETRY_SECONDS
-        memo.wakeups.wait(wake, stopped, delay)
+        await memo.wakeups.wait(wake, stopped, delay)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
-def tear_down(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, afd_pods: kopf.Index,
-              afd_services: kopf.Index, afd_configmaps: kopf.Index, **_: Any) -> None:
-    with memo.wakeups.lock(namespace, name):
-        result = memo.reconciler.reconcile(
-            _snapshot(body), _observed(namespace, name, afd_pods, afd_services, afd_configmaps), deleting=True)
+async def tear_down(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, afd_pods: kopf.Index,
+                    afd_services: kopf.Index, afd_configmaps: kopf.Index, **_: Any) -> None:
+    async with memo.wakeups.lock(namespace, name):
+        result = await _reconcile(memo, body, _observed(namespace, name, afd_pods, afd_services, afd_configmaps),
+                                  deleting=True)
     if not result.finished:
         delay = memo.resync_seconds if result.next_wakeup is None else max(result.next_wakeup - time.time(), 0.2)
         raise kopf.TemporaryError("draining instances before removing the finalizer", delay=min(delay, 5.0))
