@@ -11,6 +11,22 @@ from typing import Any, Callable, Optional
 import yaml
 
 
+DELETE = object()  # a value for set_path that removes the key
+
+
+def set_path(obj: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    """Set (or, with DELETE, remove) one dotted path of a nested mapping in place; returns obj."""
+    node = obj
+    *parents, last = dotted.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    if value is DELETE:
+        node.pop(last)
+    else:
+        node[last] = value
+    return obj
+
+
 def wait_for(check: Callable[[], Any], what: str, timeout: float = 10.0, interval: float = 0.1) -> Any:
     """Poll `check` until it returns something truthy; fail with `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout

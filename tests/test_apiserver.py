@@ -17,6 +17,7 @@ from afd_operator.planner import plan
 from afd_operator.render import render
 from afd_operator.validation import validate_object
 from afd_operator.devcluster import ControlPlane
+from k8s_helpers import DELETE, set_path
 
 pytestmark = pytest.mark.apiserver
 
@@ -106,27 +107,21 @@ SCHEMA_INVALID = [
     ("spec.sharedExperts.placement", "both", "spec.sharedExperts.placement"),
     ("spec.connector.port", 70000, "spec.connector.port"),
     ("spec.attention.dataParallel", 0, "spec.attention.dataParallel"),
-    ("spec.model", None, "spec.model"),
+    ("spec.model", DELETE, "spec.model"),
     ("spec.image", "", "spec.image"),
     ("spec.updateStrategy.type", "BlueGreen", "spec.updateStrategy.type"),
 ]
 
 
-@pytest.mark.parametrize("path,value,field", SCHEMA_INVALID, ids=[f"{p}={v!r}" for p, v, _ in SCHEMA_INVALID])
+@pytest.mark.parametrize("path,value,field", SCHEMA_INVALID,
+                         ids=[f"{p}={'<deleted>' if v is DELETE else repr(v)}" for p, v, _ in SCHEMA_INVALID])
 def test_server_rejects_schema_invalid(dyn, namespace: str, examples: list[Path], path: str, value: Any,
                                        field: str) -> None:
     from kubernetes.dynamic.exceptions import UnprocessibleEntityError
 
     doc = copy.deepcopy(_example_docs(examples)[0])
     doc["metadata"]["namespace"] = namespace
-    node = doc
-    *parents, last = path.split(".")
-    for key in parents:
-        node = node.setdefault(key, {})
-    if value is None:
-        node.pop(last)
-    else:
-        node[last] = value
+    set_path(doc, path, value)
     with pytest.raises(UnprocessibleEntityError) as err:
         _afd(dyn).create(body=doc, namespace=namespace)
     assert field in err.value.body

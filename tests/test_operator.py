@@ -299,6 +299,15 @@ def test_pod_failure_recreates_whole_instance(env: Env) -> None:
     new_uids = {p.metadata.uid for p in env.pods()}
     assert len(new_uids) == 3 and not (new_uids & first_uids), "every pod of the world must be new"
     assert any(e.startswith("InstanceFailed") for e in env.events("heal"))
+    # A deleted rank fails its world just the same.
+    victim = next(p.metadata.name for p in env.pods() if p.metadata.labels[naming.LABEL_HEAD] == "false"
+                  and p.metadata.labels[naming.LABEL_ROLE] == "attention")
+    env.kubelet.delete_pod(env.ns, victim)
+    wait_for(lambda: env.get("heal")["status"]["instances"][0].get("restarts") == 2, "second restart",
+             CONVERGE_SECONDS)
+    status = env.wait_ready("heal", 1)["status"]
+    assert "was deleted" in status["instances"][0]["lastFailure"] or "disappeared" in status["instances"][0]["lastFailure"]
+    assert not ({p.metadata.uid for p in env.pods()} & new_uids)
 
 
 def test_restart_budget_exhausted_marks_degraded(env: Env) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from afd_operator.validation import validate_object
+from k8s_helpers import DELETE, set_path
 
 
 def base() -> dict[str, Any]:
@@ -27,19 +28,7 @@ def base() -> dict[str, Any]:
 
 def with_change(path: str, value: Any) -> dict[str, Any]:
     """base() with one dotted path set (a value of DELETE removes the key)."""
-    obj = copy.deepcopy(base())
-    node = obj
-    *parents, last = path.split(".")
-    for key in parents:
-        node = node.setdefault(key, {})
-    if value is DELETE:
-        node.pop(last)
-    else:
-        node[last] = value
-    return obj
-
-
-DELETE = object()
+    return set_path(copy.deepcopy(base()), path, value)
 
 # (change path, value, expected problem path, fragment of the rule in the message)
 MALFORMED = [

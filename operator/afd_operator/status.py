@@ -138,6 +138,3 @@ def invalid_status(problems: list[Problem], previous: Optional[Mapping[str, Any]
     status["observedGeneration"] = generation
     return status
 
-
-def status_differs(desired: Mapping[str, Any], observed: Optional[Mapping[str, Any]]) -> bool:
-    return dict(desired) != dict(observed or {})
