@@ -10,5 +10,8 @@ ensure_debs etcd-server etcd-client openssl prometheus
 AFD_KUBE_APISERVER="$("$REPO_ROOT/scripts/build-kube-apiserver.sh")"
 export AFD_KUBE_APISERVER
 VENV="$("$REPO_ROOT/scripts/dev-env.sh")"
+# Real vLLM 0.23.0 (CPU wheel) in its own cached venv: the vLLM tests run it in subprocesses.
+AFD_VLLM_PYTHON="$("$REPO_ROOT/scripts/vllm-env.sh")/bin/python"
+export AFD_VLLM_PYTHON
 cd "$REPO_ROOT"
 exec "$VENV/bin/python" -m pytest "$@"

@@ -27,6 +27,15 @@ def set_path(obj: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
     return obj
 
 
+def delete_afddeployments(cluster: Any, namespace: str, timeout_seconds: int = 90) -> None:
+    """Delete every AFDDeployment of a test namespace and wait until they are gone.
+
+    Tests share one apiserver: an object left behind keeps its finalizer once no operator
+    runs, and then blocks any later deletion of the CRD (Kubernetes has no namespace
+    controller here to clean up either)."""
+    cluster.kubectl("delete", "afddeployments", "--all", "-n", namespace, f"--timeout={timeout_seconds}s")
+
+
 def wait_for(check: Callable[[], Any], what: str, timeout: float = 10.0, interval: float = 0.1) -> Any:
     """Poll `check` until it returns something truthy; fail with `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout

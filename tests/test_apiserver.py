@@ -6,7 +6,7 @@ import copy
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import yaml
@@ -17,7 +17,7 @@ from afd_operator.planner import plan
 from afd_operator.render import render
 from afd_operator.validation import validate_object
 from afd_operator.devcluster import ControlPlane
-from k8s_helpers import DELETE, set_path
+from k8s_helpers import DELETE, delete_afddeployments, set_path
 
 pytestmark = pytest.mark.apiserver
 
@@ -53,10 +53,11 @@ def dyn(api_client, cluster: ControlPlane, repo_root: Path):
 
 
 @pytest.fixture()
-def namespace(dyn) -> str:
+def namespace(dyn, cluster: ControlPlane) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:8]}"
     dyn.resources.get(api_version="v1", kind="Namespace").create(body={"metadata": {"name": name}})
-    return name
+    yield name
+    delete_afddeployments(cluster, name)
 
 
 def _afd(dyn):

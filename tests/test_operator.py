@@ -19,7 +19,7 @@ from afd_operator import naming
 from afd_operator.api import GROUP, PLURAL, VERSION
 from afd_operator.devcluster import OPERATOR_USER, ControlPlane, FakeKubelet
 from afd_operator.devcluster.operator_process import OperatorProcess
-from k8s_helpers import wait_for
+from k8s_helpers import delete_afddeployments, wait_for
 
 pytestmark = pytest.mark.apiserver
 
@@ -133,10 +133,12 @@ def operator(cluster: ControlPlane, repo_root: Path, tmp_path_factory) -> Iterat
 
 
 @pytest.fixture()
-def env(cluster: ControlPlane, api_client, kubelet: FakeKubelet, operator: OperatorProcess) -> Env:
+def env(cluster: ControlPlane, api_client, kubelet: FakeKubelet, operator: OperatorProcess) -> Iterator[Env]:
     ns = f"op-{uuid.uuid4().hex[:8]}"
     client.CoreV1Api(api_client).create_namespace({"metadata": {"name": ns}})
-    return Env(cluster, api_client, kubelet, operator, ns)
+    yield Env(cluster, api_client, kubelet, operator, ns)
+    kubelet.release()
+    delete_afddeployments(cluster, ns)  # while the operator runs, so finalizers are honoured
 
 
 class ServingWatch:

@@ -12,7 +12,7 @@ import yaml
 from afd_operator.devcluster import ControlPlane, free_port
 from afd_operator.devcluster.certs import self_signed_certificate
 from afd_operator.devcluster.operator_process import OperatorProcess
-from k8s_helpers import wait_for
+from k8s_helpers import delete_afddeployments, wait_for
 
 pytestmark = pytest.mark.apiserver
 
@@ -38,10 +38,11 @@ def webhook_operator(cluster: ControlPlane, repo_root: Path, tmp_path_factory) -
 
 
 @pytest.fixture()
-def namespace(cluster: ControlPlane) -> str:
+def namespace(cluster: ControlPlane, webhook_operator: OperatorProcess) -> Iterator[str]:
     name = f"wh-{uuid.uuid4().hex[:8]}"
     cluster.kubectl("create", "namespace", name)
-    return name
+    yield name
+    delete_afddeployments(cluster, name)  # before the operator stops: it holds their finalizers
 
 
 def test_invalid_cr_rejected_with_every_problem(cluster: ControlPlane, webhook_operator: OperatorProcess,

@@ -5,6 +5,7 @@ Import-safe on CPU: torch_npu is imported only when an NPU is requested.
 
 from __future__ import annotations
 
+import importlib.util
 from datetime import timedelta
 
 import torch
@@ -15,16 +16,28 @@ from .errors import DeviceUnavailableError
 BACKEND_BY_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 
+def load_torch_npu() -> None:
+    """Import torch_npu, telling a missing torch-npu package from missing CANN libraries."""
+    if importlib.util.find_spec("torch_npu") is None:
+        raise DeviceUnavailableError(
+            "device 'npu' requested but torch_npu/CANN cannot be loaded: the torch-npu package is not installed "
+            "in this Python environment; "
+            "install the torch-npu build matching torch (vllm-ascend 0.23.0 pairs with torch-npu 2.10.0.post4)"
+        )
+    try:
+        import torch_npu  # noqa: F401  (registers the npu device and HCCL)
+    except Exception as exc:  # OSError/ImportError: a CANN shared library (libhccl.so, ...) is missing
+        raise DeviceUnavailableError(
+            "device 'npu' requested but torch_npu/CANN cannot be loaded: torch-npu is installed but the Ascend "
+            f"CANN libraries are missing ({exc}); "
+            "install CANN 9.1.0 and source its set_env.sh (LD_LIBRARY_PATH), or use device 'cpu'"
+        ) from exc
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     # torch.device("npu") itself fails until torch_npu registers the device type.
     if str(device).split(":")[0] == "npu":
-        try:
-            import torch_npu  # noqa: F401  (registers the npu device and HCCL)
-        except Exception as exc:  # ImportError, or OSError when CANN libraries are missing
-            raise DeviceUnavailableError(
-                f"device 'npu' requested but torch_npu/CANN cannot be loaded ({exc}); install the "
-                "Ascend CANN toolkit and the matching torch-npu build, or use device 'cpu'"
-            ) from exc
+        load_torch_npu()
         return torch.device(device)
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -22,6 +22,8 @@ class FFNRuntime:
         self.items_served = 0
         self.error: BaseException | None = None
         self._stopping = threading.Event()
+        # Held while a received item is processed and answered, so stop() can drain it.
+        self._item_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     @property
@@ -74,8 +76,9 @@ class FFNRuntime:
                 item = self.connector.receive_work()
                 if item is None:
                     return
-                rows, routed_rows, shared_rows = self.process(item)
-                self.connector.send_reply(item, rows, routed_rows, shared_rows)
+                with self._item_lock:
+                    rows, routed_rows, shared_rows = self.process(item)
+                    self.connector.send_reply(item, rows, routed_rows, shared_rows)
         except ConnectorClosedError:
             if not self._stopping.is_set():
                 raise
@@ -103,9 +106,19 @@ class FFNRuntime:
         if self.error is not None:
             raise self.error
 
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self, timeout: float = 10.0) -> None:
-        """Close the connector (unblocking the loop) and wait a bounded time."""
+        """Let the work item in flight be answered, close the connector (unblocking the
+        loop) and wait a bounded time."""
         self._stopping.set()
-        self.connector.close()
+        drained = self._item_lock.acquire(timeout=timeout)
+        try:
+            self.connector.close()
+        finally:
+            if drained:
+                self._item_lock.release()
         if self._thread is not None:
             self.join(timeout)

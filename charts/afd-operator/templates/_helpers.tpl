@@ -1,0 +1,72 @@
+{{/* Names and labels shared by every template. */}}
+
+{{- define "afd-operator.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "afd-operator.serviceAccountName" -}}
+{{- default (include "afd-operator.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "afd-operator.webhookServiceName" -}}
+{{- printf "%s-webhook" (include "afd-operator.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "afd-operator.webhookSecretName" -}}
+{{- printf "%s-webhook-tls" (include "afd-operator.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "afd-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "afd-operator.labels" -}}
+{{ include "afd-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: afd-operator
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/*
+What the operator does in the namespaces it watches, and nothing more (see
+operator/afd_operator/writer.py and handlers/):
+- AFDDeployments: kopf lists and watches them and patches its finalizer and annotations;
+  the reconciler writes the status subresource.
+- Pods, Services, ConfigMaps: watched for kopf's indexes; pods and services are created,
+  patched and deleted; revision ConfigMaps are immutable (create, delete).
+- Events: posted by the reconciler and by kopf.
+- PodDisruptionBudgets, PodMonitors, Volcano PodGroups: read to avoid needless writes,
+  then created, patched (not PodGroups) and deleted.
+*/}}
+{{- define "afd-operator.namespacedRules" -}}
+- apiGroups: [afd.inference.dev]
+  resources: [afddeployments]
+  verbs: [list, watch, patch]
+- apiGroups: [afd.inference.dev]
+  resources: [afddeployments/status]
+  verbs: [patch]
+- apiGroups: [""]
+  resources: [pods, services]
+  verbs: [list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [list, watch, create, delete]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, create, patch, delete]
+- apiGroups: [monitoring.coreos.com]
+  resources: [podmonitors]
+  verbs: [get, create, patch, delete]
+- apiGroups: [scheduling.volcano.sh]
+  resources: [podgroups]
+  verbs: [get, create, delete]
+{{- end -}}

@@ -1,0 +1,155 @@
+"""The MoE experts boundary inside vLLM 0.23.0: ``FusedMoE`` replaced by remote experts.
+
+In vLLM 0.23.0 ``DeepseekV2MoE`` builds its gate and shared-expert MLP and hands both to
+``FusedMoE``, whose runner returns routed + shared (scaled, TP-reduced) in one tensor. This
+out-of-tree ``FusedMoE`` (registered with ``FusedMoE.register_oot``) keeps that contract on
+an Attention rank: it routes with vLLM's own router (identical top-k to plain vLLM) and
+hands the rows to the core's ``RemoteMoE``; no routed expert weight is created. Without an
+``afd`` block it is upstream ``FusedMoE`` unchanged.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import re
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.model_executor.layers.fused_moe.router.router_factory import create_fused_moe_router
+
+from .attention import RemoteMoE
+from .config import AFDConfig
+from .connector import P2PConnector
+from .metrics import RuntimeMetrics
+from .model import MoESpec, SharedExpertWeights, load_spec
+from .roles import attention_role_rank
+from .tp import all_gather_and_trim, shard_tokens
+from .vllm_plugin import MODEL_WRAPPERS, afd_config_of
+
+logger = logging.getLogger(__name__)
+
+LAYER_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class AttentionRank:
+    """Per-process AFD state of one Attention worker: its role rank and its connector,
+    shared by every MoE layer of the model."""
+
+    def __init__(self, vllm_config, cfg: AFDConfig, spec: MoESpec):
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+        from vllm.distributed.parallel_state import get_pcp_group, get_tp_group
+        from vllm.platforms import current_platform
+
+        parallel = vllm_config.parallel_config
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_group = get_tp_group().device_group
+        pcp_size = parallel.prefill_context_parallel_size
+        self.rank = attention_role_rank(
+            cfg, dp_rank=parallel.data_parallel_rank, dp_size=parallel.data_parallel_size,
+            tp_rank=self.tp_rank, tp_size=self.tp_size,
+            pcp_rank=get_pcp_group().rank_in_group if pcp_size > 1 else 0, pcp_size=pcp_size)
+        cfg.validate_for_model(spec.num_routed_experts)
+        self.cfg, self.spec = cfg, spec
+        self.metrics = RuntimeMetrics("attention")
+        self.connector = P2PConnector(
+            role="attention", rank=self.rank, num_attention_ranks=cfg.num_attention_ranks,
+            num_ffn_ranks=cfg.num_ffn_ranks, host=cfg.host, port=cfg.port, hidden_size=spec.hidden_size,
+            local_experts=spec.local_experts(cfg.num_ffn_ranks), dtype=vllm_config.model_config.dtype,
+            device=current_platform.device_type, timeout_seconds=cfg.timeout_seconds, metrics=self.metrics)
+        logger.info("AFD Attention rank %d of %d (+%d FFN ranks): rendezvous at %s:%d",
+                    self.rank, cfg.num_attention_ranks, cfg.num_ffn_ranks, cfg.host, cfg.port)
+        self.connector.init()
+        # Tells the FFN servers this rank is done, so they end cleanly with the engine.
+        atexit.register(self.connector.close)
+
+
+_attention_rank: AttentionRank | None = None
+
+
+def attention_rank(vllm_config, cfg: AFDConfig) -> AttentionRank:
+    global _attention_rank
+    if _attention_rank is None:
+        arch = (vllm_config.model_config.architectures or ["?"])[0]
+        if arch not in MODEL_WRAPPERS:
+            raise ValueError(f"afd: model architecture {arch} is not supported (supported: "
+                             f"{', '.join(MODEL_WRAPPERS)})")
+        _attention_rank = AttentionRank(vllm_config, cfg, load_spec(vllm_config.model_config.model))
+    return _attention_rank
+
+
+class AFDFusedMoE(FusedMoE):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *args,
+                 prefix: str = "", shared_experts: torch.nn.Module | None = None, **kwargs):
+        vllm_config = get_current_vllm_config()
+        cfg = afd_config_of(vllm_config)
+        if cfg is None:
+            super().__init__(num_experts, top_k, hidden_size, intermediate_size, *args, prefix=prefix,
+                             shared_experts=shared_experts, **kwargs)
+            self.afd = None
+            return
+        if args:
+            raise TypeError("afd: FusedMoE must be built with keyword arguments (as vLLM 0.23.0 models do)")
+        # nn.Module init only: FusedMoE.__init__ would create the routed expert weights.
+        torch.nn.Module.__init__(self)
+        match = LAYER_PREFIX.search(prefix + ".")
+        if match is None:
+            raise ValueError(f"afd: cannot tell the layer index of MoE layer {prefix!r}")
+        self.layer_name, self.afd = prefix, cfg
+        rank = attention_rank(vllm_config, cfg)
+        layer = int(match.group(1))
+        if layer not in rank.spec.moe_layers:
+            raise ValueError(f"afd: vLLM built a MoE layer at {prefix} but the checkpoint's config.json has none there")
+        placement = cfg.shared_experts.placement
+        shared = None
+        if placement == "attention":
+            if shared_experts is None:
+                raise ValueError(f"afd: {prefix}: placement 'attention' needs the model's shared experts")
+            if rank.tp_size > 1:
+                raise ValueError("afd.shared_experts.placement: 'attention' supports Attention tensor parallel size 1 "
+                                 f"only (got {rank.tp_size}); use placement 'ffn'")
+            # Views of vLLM's own (merged gate_up, down) parameters: filled in place by its loader.
+            shared = SharedExpertWeights(gate_up=shared_experts.gate_up_proj.weight.data,
+                                         down=shared_experts.down_proj.weight.data, shared_gate=None)
+        elif shared_experts is not None:
+            # Built (uninitialized) by upstream DeepseekV2MoE before this layer: release its
+            # storage now, before the next layer is built; the model wrapper drops the module.
+            shared_experts.to_empty(device="meta")
+        e_score_correction_bias = kwargs.get("e_score_correction_bias")
+        self.router = create_fused_moe_router(
+            top_k=top_k, global_num_experts=num_experts, renormalize=kwargs.get("renormalize", True),
+            use_grouped_topk=kwargs.get("use_grouped_topk", False),
+            num_expert_group=kwargs.get("num_expert_group"), topk_group=kwargs.get("topk_group"),
+            scoring_func=kwargs.get("scoring_func", "softmax"),
+            # The core's combine applies routed_scaling_factor exactly once.
+            routed_scaling_factor=1.0, e_score_correction_bias=e_score_correction_bias,
+            custom_routing_function=kwargs.get("custom_routing_function"), num_logical_experts=num_experts)
+        self.rank = rank
+        self.remote = RemoteMoE(
+            spec=rank.spec, layer=layer, connector=rank.connector, num_ffn_ranks=cfg.num_ffn_ranks,
+            placement=placement, partition=cfg.shared_experts.partition, dtype=vllm_config.model_config.dtype,
+            shared=shared, metrics=rank.metrics)
+
+    @property
+    def is_internal_router(self) -> bool:
+        return False if self.afd is not None else super().is_internal_router
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor,
+                input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.afd is None:
+            return super().forward(hidden_states, router_logits, input_ids)
+        topk_weights, topk_ids = self.router.select_experts(hidden_states, router_logits)
+        rank = self.rank
+        if rank.tp_size == 1:
+            # Idle DP steps arrive here too (dummy rows): they are dispatched like any other
+            # step, and an empty batch still sends header-only work to every FFN rank.
+            return self.remote.forward(hidden_states, topk_ids, topk_weights)
+        # Every TP rank holds all tokens after the attention all-reduce: each dispatches its
+        # ceil(T/TP) shard and all join the gather, also with an all-padding shard.
+        x, real = shard_tokens(hidden_states, rank.tp_rank, rank.tp_size)
+        ids, _ = shard_tokens(topk_ids, rank.tp_rank, rank.tp_size)
+        weights, _ = shard_tokens(topk_weights, rank.tp_rank, rank.tp_size)
+        out = self.remote.forward(x, ids, weights, num_tokens=real)
+        return all_gather_and_trim(out, hidden_states.shape[0], rank.tp_group)

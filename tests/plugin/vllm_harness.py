@@ -1,0 +1,219 @@
+"""Helpers for the end-to-end tests with real vLLM 0.23.0 on CPU.
+
+The dev venv never imports vllm: vLLM, the FFN servers and the driver run as subprocesses
+of ``$AFD_VLLM_PYTHON`` (set by scripts/test.sh from scripts/vllm-env.sh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from plugin_harness import write_checkpoint
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parents[1]
+TESTBED_PLUGIN = HERE / "vllm_testbed_plugin"
+DRIVER = HERE / "vllm_driver.py"
+VOCAB = 128
+# Head size qk_nope + qk_rope = 64 is in the CPU attention backend's supported set; the CPU fused-MoE
+# kernel needs 2 * moe_intermediate_size to be a multiple of its tile (64 works).
+DEEPSEEK_SHAPE = dict(hidden=64, inter=64, experts=8, top_k=2, layers=3, vocab_size=VOCAB, num_attention_heads=2,
+                      num_key_value_heads=2, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+                      kv_lora_rank=32, q_lora_rank=None, first_k_dense_replace=1, intermediate_size=64,
+                      max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False,
+                      torch_dtype="float32", bos_token_id=1, eos_token_id=2)
+# Fixed prompts (token ids), long enough to exercise prefill and several decode steps.
+PROMPTS = [[5, 17, 33, 9, 64, 21], [7, 7, 90, 14], [100, 3, 55, 41, 12, 88, 23, 61], [30]]
+MAX_TOKENS = 12
+
+
+def vllm_python() -> str:
+    python = os.environ.get("AFD_VLLM_PYTHON")
+    if not python or not os.access(python, os.X_OK):
+        raise RuntimeError("AFD_VLLM_PYTHON must name the python of the vLLM 0.23.0 venv: run the suite through "
+                           "scripts/test.sh (it prepares the venv with scripts/vllm-env.sh)")
+    return python
+
+
+def install_testbed_plugin() -> None:
+    """The test-only SiLU workaround plugin, into the vLLM venv (idempotent, no network)."""
+    subprocess.run([vllm_python(), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e",
+                    str(TESTBED_PLUGIN)], check=True, cwd=REPO_ROOT)
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    # In-process engine core: LLM.generate queues every prompt before the first step, so the
+    # batches (and CPU kernels' blocking) are the same in every run and greedy ids compare exactly.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env.update(VLLM_PLUGINS="afd_shared_experts,afd_testbed_cpu_silu", VLLM_MLA_DISABLE="1",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+def write_vllm_checkpoint(directory: Path, model_type: str, seed: int = 0) -> Path:
+    """A complete tiny DeepSeek checkpoint vLLM can serve: the MoE tensors of
+    plugin_harness.write_checkpoint plus attention, norms, dense MLP, embeddings, tokenizer."""
+    overrides = dict(DEEPSEEK_SHAPE)
+    hidden, inter, experts, top_k, layers = (overrides.pop(k) for k in ("hidden", "inter", "experts", "top_k", "layers"))
+    write_checkpoint(directory, model_type, seed=seed, hidden=hidden, inter=inter, experts=experts, top_k=top_k,
+                     layers=layers, **overrides)
+    cfg = json.loads((directory / "config.json").read_text())
+    tensors = load_file(str(directory / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed + 1000)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen) * shape[-1] ** -0.5
+
+    heads, nope, rope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    kv_rank = cfg["kv_lora_rank"]
+    tensors["model.embed_tokens.weight"] = torch.randn(VOCAB, hidden, generator=gen)
+    tensors["lm_head.weight"] = rand(VOCAB, hidden)
+    tensors["model.norm.weight"] = torch.ones(hidden)
+    for layer in range(layers):
+        base = f"model.layers.{layer}"
+        tensors[f"{base}.input_layernorm.weight"] = torch.ones(hidden)
+        tensors[f"{base}.post_attention_layernorm.weight"] = torch.ones(hidden)
+        tensors[f"{base}.self_attn.q_proj.weight"] = rand(heads * (nope + rope), hidden)
+        tensors[f"{base}.self_attn.kv_a_proj_with_mqa.weight"] = rand(kv_rank + rope, hidden)
+        tensors[f"{base}.self_attn.kv_a_layernorm.weight"] = torch.ones(kv_rank)
+        tensors[f"{base}.self_attn.kv_b_proj.weight"] = rand(heads * (nope + v), kv_rank)
+        tensors[f"{base}.self_attn.o_proj.weight"] = rand(hidden, heads * v)
+        if layer < cfg["first_k_dense_replace"]:
+            # Dense layer: drop the MoE tensors the generic writer made, add the dense MLP.
+            for name in [n for n in tensors if n.startswith(f"{base}.mlp.")]:
+                del tensors[name]
+            tensors[f"{base}.mlp.gate_proj.weight"] = rand(cfg["intermediate_size"], hidden)
+            tensors[f"{base}.mlp.up_proj.weight"] = rand(cfg["intermediate_size"], hidden)
+            tensors[f"{base}.mlp.down_proj.weight"] = rand(hidden, cfg["intermediate_size"])
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(directory / "model.safetensors"))
+    _write_tokenizer(directory)
+    return directory
+
+
+def _write_tokenizer(directory: Path) -> None:
+    """A word-level tokenizer over VOCAB tokens "t0".."t127" (no download needed)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>",
+        "model_max_length": 512}))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def afd_block(role: str, *, port: int, attention_ranks: int = 1, ffn_ranks: int = 2, placement: str = "ffn",
+              partition: str = "affinity", tp: int = 1) -> dict:
+    """The afd block as the operator renders it (afd_operator.planner.afd_config)."""
+    return {"afd": {"role": role, "connector": "p2p", "async": True, "host": "127.0.0.1", "port": port,
+                    "num_attention_ranks": attention_ranks, "num_ffn_ranks": ffn_ranks,
+                    "compute_gate_on_attention": True, "connector_extra_config": {"attn_ranks_per_dp": tp},
+                    "shared_experts": {"placement": placement, "partition": partition},
+                    "timeout_seconds": 120}}
+
+
+class Proc:
+    """A subprocess with its log file; stopped by pid (never by name)."""
+
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str]):
+        self.log_path = log
+        self._log = open(log, "wb")
+        self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+                                      start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout)
+
+    def stop(self, timeout: float = 30) -> None:
+        """SIGTERM the process group (vLLM's engine children included), SIGKILL after timeout."""
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(10)
+            except ProcessLookupError:
+                pass
+        self._log.close()
+
+
+def start_ffn_servers(model: Path, block: dict, logdir: Path, count: int = 2, tag: str = "ffn") -> list[tuple[Proc, int]]:
+    """`count` FFN server processes with one FFN rank each, command lines as the operator renders them."""
+    servers = []
+    ffn_block = {"afd": {**block["afd"], "role": "ffn"}}
+    for index in range(count):
+        health = free_port()
+        argv = [vllm_python(), "-m", "afd_shared_experts.ffn_server", "--model", str(model),
+                "--ffn-rank-start", str(index), "--ffn-local-ranks", "1", "--health-port", str(health),
+                "--max-num-batched-tokens", "512", "--dtype", "float32", "--max-model-len", "512",
+                "--additional-config", json.dumps(ffn_block), "--bind-host", "127.0.0.1"]
+        servers.append((Proc(argv, logdir / f"{tag}-{index}.log", base_env()), health))
+    return servers
+
+
+def http_status(port: int, path: str) -> int | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+    except OSError:
+        return None
+
+
+def wait_until(predicate, timeout: float, what: str, procs: list[Proc] = ()) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        for proc in procs:
+            if proc.popen.poll() is not None:
+                raise AssertionError(f"{what}: {proc.log_path.name} exited with {proc.popen.returncode}:\n"
+                                     f"{proc.log()[-4000:]}")
+        time.sleep(0.5)
+    raise AssertionError(f"{what}: not within {timeout}s")
+
+
+def run_driver(request: dict, logdir: Path, name: str, timeout: float = 400) -> dict:
+    """Run vllm_driver.py (offline vllm.LLM) under the vLLM venv; returns its JSON result."""
+    req_path, out_path = logdir / f"{name}.request.json", logdir / f"{name}.result.json"
+    req_path.write_text(json.dumps(request))
+    log = logdir / f"{name}.log"
+    with open(log, "wb") as handle:
+        proc = subprocess.run([vllm_python(), str(DRIVER), str(req_path), str(out_path)], stdout=handle,
+                              stderr=subprocess.STDOUT, env=base_env(), cwd=REPO_ROOT, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"driver {name} failed ({proc.returncode}):\n{log.read_text(errors='replace')[-6000:]}")
+    return json.loads(out_path.read_text())
+
+
