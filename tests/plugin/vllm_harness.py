@@ -47,6 +47,11 @@ def vllm_python() -> str:
     return python
 
 
+def vllm_console_script() -> str:
+    """The `vllm` CLI of the vLLM venv (the command the operator renders for Attention pods)."""
+    return str(Path(vllm_python()).parent / "vllm")
+
+
 def install_testbed_plugin() -> None:
     """The test-only SiLU workaround plugin, into the vLLM venv (idempotent, no network)."""
     subprocess.run([vllm_python(), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e",
@@ -165,6 +170,24 @@ class Proc:
             except ProcessLookupError:
                 pass
         self._log.close()
+
+
+# Engine arguments of every vLLM start (the offline driver passes the same to vllm.LLM).
+SERVE_ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-batched-tokens",
+                     "512", "--max-num-seqs", "8", "--seed", "0"]
+
+
+def start_vllm_serve(model: Path, api_port: int, logdir: Path, name: str, *, block: dict | None = None,
+                     data_parallel: int = 1) -> Proc:
+    """`vllm serve` (the real console script) on 127.0.0.1:api_port, data-parallel flags as the
+    operator renders them; `block` is the afd config (None: plain vLLM)."""
+    argv = [vllm_console_script(), "serve", str(model), "--host", "127.0.0.1", "--port", str(api_port),
+            *SERVE_ENGINE_ARGS, "--data-parallel-size", str(data_parallel),
+            "--data-parallel-size-local", str(data_parallel), "--data-parallel-address", "127.0.0.1",
+            "--data-parallel-rpc-port", str(free_port())]
+    if block is not None:
+        argv += ["--additional-config", json.dumps(block)]
+    return Proc(argv, logdir / f"{name}.log", base_env())
 
 
 def start_ffn_servers(model: Path, block: dict, logdir: Path, count: int = 2, tag: str = "ffn") -> list[tuple[Proc, int]]:

