@@ -28,7 +28,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
 
 @pytest.fixture(scope="session")
 def api_client(cluster: ControlPlane):
-    from kubernetes import client, config
+    from kubernetes import config
 
     api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
     yield api

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from afd_operator.api import PLURAL, GROUP, VERSION
+from afd_operator.api import GROUP, VERSION
 from afd_operator.crd import CRD_FILE, CRD_NAME
 from afd_operator.planner import plan
 from afd_operator.render import render

@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import pytest
 from kubernetes import client, config

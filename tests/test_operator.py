@@ -323,7 +323,7 @@ def test_restart_budget_exhausted_marks_degraded(env: Env) -> None:
         env.kubelet.fail_pod(env.ns, victim)
         time.sleep(0.5)
     degraded = wait_for(lambda: (c := env.condition("doomed", "Degraded")) and c["status"] == "True" and c,
-                        f"Degraded condition", CONVERGE_SECONDS)
+                        "Degraded condition", CONVERGE_SECONDS)
     assert "stays down" in degraded["message"]
     wait_for(lambda: not env.pods(), "the failed instance's pods removed", CONVERGE_SECONDS)
     time.sleep(2)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from kubernetes import client, config as kube_config
 from prometheus_client import CollectorRegistry
+
+if TYPE_CHECKING:
+    import kopf
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ class OperatorConfig:
             logging.getLogger(__name__).warning("TLS verification of the API server is disabled by the kubeconfig")
         return client.ApiClient(configuration)
 
-    def connection_info(self) -> "kopf.ConnectionInfo":
+    def connection_info(self) -> kopf.ConnectionInfo:
         """The same credentials for kopf's own watches and writes."""
         import kopf
 

@@ -16,9 +16,6 @@ from .observe import format_time, parse_time
 from .planner import topology_string
 from .validation import Problem, resolve_int_or_percent
 
-CONDITION_TYPES = ("Ready", "Available", "Progressing", "Degraded", "ConfigValid")
-
-
 def records_from_status(status: Optional[Mapping[str, Any]]) -> list[InstanceRecord]:
     records = []
     for item in (status or {}).get("instances") or []:

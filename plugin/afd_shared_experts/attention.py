@@ -81,7 +81,6 @@ class RemoteMoE:
 
         token_of_row = torch.arange(real).repeat_interleave(top_k)
         flat_ids = ids.reshape(-1)
-        owner = flat_ids // e_local
         designated = torch.zeros(flat_ids.shape[0], dtype=torch.bool)
         if self.placement == "ffn" and self.partition == "affinity" and real:
             assigned = affinity_assignment(ids, e_local, ffn)
