@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from typing import Protocol
 
 import torch
 
@@ -14,9 +15,52 @@ from .metrics import RuntimeMetrics
 from .model import FFNMoEWeights
 
 
+class LayerExperts(Protocol):
+    """One MoE layer's experts as an FFN rank computes them (torch here, vLLM kernels in
+    ``vllm_ffn``). Outputs are unweighted: the Attention side's combine applies the top-k
+    weights and the routed scaling factor."""
+
+    @property
+    def holds_shared(self) -> bool: ...
+
+    def routed(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """E_i(x) for rows grouped by local expert (counts[i] rows for local expert i)."""
+
+    def shared(self, rows: torch.Tensor) -> torch.Tensor:
+        """S(x), with Qwen2-MoE's shared-expert gate factor."""
+
+
+class TorchLayerExperts:
+    """The torch expert path over weights from ``model.load_ffn_weights``."""
+
+    def __init__(self, weights: FFNMoEWeights):
+        self.weights = weights
+
+    @property
+    def holds_shared(self) -> bool:
+        return self.weights.shared is not None
+
+    def routed(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        out, offset = torch.empty_like(rows), 0
+        routed = self.weights.routed
+        for expert, count in enumerate(counts):
+            if count:  # skip the empty GEMM
+                out[offset:offset + count] = swiglu(rows[offset:offset + count], routed.gate_up[expert],
+                                                    routed.down[expert])
+            offset += count
+        return out
+
+    def shared(self, rows: torch.Tensor) -> torch.Tensor:
+        return shared_expert_output(rows, self.weights.shared)
+
+
+def torch_experts(weights: dict[int, FFNMoEWeights]) -> dict[int, LayerExperts]:
+    return {layer: TorchLayerExperts(w) for layer, w in weights.items()}
+
+
 class FFNRuntime:
-    def __init__(self, connector: AFDConnector, weights: dict[int, FFNMoEWeights], metrics: RuntimeMetrics | None = None):
-        self.connector, self.weights, self.metrics = connector, weights, metrics
+    def __init__(self, connector: AFDConnector, experts: dict[int, LayerExperts], metrics: RuntimeMetrics | None = None):
+        self.connector, self.experts, self.metrics = connector, experts, metrics
         self.shared_tokens = 0
         self.zero_token_replies = Counter()  # kind -> count
         self.items_served = 0
@@ -28,33 +72,33 @@ class FFNRuntime:
 
     @property
     def ready(self) -> bool:
-        return self.connector.is_initialized and bool(self.weights) and self.error is None
+        return self.connector.is_initialized and bool(self.experts) and self.error is None
 
     def process(self, item: WorkItem) -> tuple[torch.Tensor, int, int]:
         """Reply rows for one work item: routed outputs (wire order), then shared outputs."""
-        layer = self.weights.get(item.layer)
+        layer = self.experts.get(item.layer)
         if layer is None:
             raise PayloadError(f"work item from Attention rank {item.source}: layer {item.layer} is not a MoE layer "
-                               f"held here (held: {sorted(self.weights)})")
+                               f"held here (held: {sorted(self.experts)})")
         payload = item.payload
         x = payload.rows
         routed_rows, shared_rows = payload.routed_rows, payload.shared_rows
         out = x.new_empty(routed_rows + shared_rows, x.shape[1])
+        if routed_rows:
+            out[:routed_rows] = layer.routed(x[:routed_rows], list(payload.routed_counts))
+        # Shared rows: each expert group's first `prefix` rows, then the extra rows at the end.
         shared_inputs, offset = [], 0
-        for expert, (count, prefix) in enumerate(zip(payload.routed_counts, payload.shared_prefix)):
-            if count:  # skip the empty GEMM
-                rows = x[offset:offset + count]
-                out[offset:offset + count] = swiglu(rows, layer.routed.gate_up[expert], layer.routed.down[expert])
-                if prefix:
-                    shared_inputs.append(rows[:prefix])
+        for count, prefix in zip(payload.routed_counts, payload.shared_prefix):
+            if prefix:
+                shared_inputs.append(x[offset:offset + prefix])
             offset += count
         if payload.shared_extra:
             shared_inputs.append(x[routed_rows:])
         if shared_rows:
-            if layer.shared is None:
+            if not layer.holds_shared:
                 raise PayloadError(f"work item from Attention rank {item.source}: {shared_rows} shared rows but this "
                                    "FFN rank holds no shared expert (placement is 'attention')")
-            out[routed_rows:] = shared_expert_output(torch.cat(shared_inputs), layer.shared)
+            out[routed_rows:] = layer.shared(torch.cat(shared_inputs))
         self._record(item, routed_rows, shared_rows)
         return out, routed_rows, shared_rows
 

@@ -27,7 +27,7 @@ import torch
 from .config import AFDConfig, AFDConfigError, parse_afd_config
 from .connector import P2PConnector
 from .errors import AFDError, ConnectorClosedError
-from .ffn_runtime import FFNRuntime
+from .ffn_runtime import FFNRuntime, torch_experts
 from .metrics import ProbeServer, RuntimeMetrics
 from .model import DTYPES, CheckpointError, load_ffn_weights, load_spec
 from .roles import ffn_world_ranks
@@ -146,7 +146,7 @@ class FFNServer:
             connector = self._connect(world_rank, spec.hidden_size, spec.local_experts(cfg.num_ffn_ranks), dtype, device)
             if connector is None:
                 return
-            self.runtimes.append(FFNRuntime(connector, weights[ffn_index], self.metrics).start())
+            self.runtimes.append(FFNRuntime(connector, torch_experts(weights[ffn_index]), self.metrics).start())
             logger.info("FFN rank %d (world rank %d) serving", ffn_index, world_rank)
 
     def _connect(self, world_rank: int, hidden: int, local_experts: int, dtype: torch.dtype, device: str):

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from .attention import AttentionMoELayer, RemoteMoE
 from .config import AFDConfigError, AFDConfig
 from .connector import BYTE_KINDS, P2PConnector
-from .ffn_runtime import FFNRuntime
+from .ffn_runtime import FFNRuntime, torch_experts
 from .model import DTYPES, load_attention_weights, load_ffn_weights, load_spec
 
 CHILD_DEADLINE_SECONDS = 600.0
@@ -130,7 +130,7 @@ def run_ffn_rank(run: RunSpec, index: int) -> FFNResult:
                              timeout_seconds=run.timeout_seconds)
     try:
         connector.init()
-        runtime = FFNRuntime(connector, weights)
+        runtime = FFNRuntime(connector, torch_experts(weights))
         runtime.serve()
         return FFNResult(index=index, shared_tokens=runtime.shared_tokens,
                          zero_token_replies={k: runtime.zero_token_replies[k] for k in ("routed", "shared")},

@@ -1,11 +1,16 @@
 """The MoE experts boundary inside vLLM 0.23.0: ``FusedMoE`` replaced by remote experts.
 
-In vLLM 0.23.0 ``DeepseekV2MoE`` builds its gate and shared-expert MLP and hands both to
-``FusedMoE``, whose runner returns routed + shared (scaled, TP-reduced) in one tensor. This
-out-of-tree ``FusedMoE`` (registered with ``FusedMoE.register_oot``) keeps that contract on
-an Attention rank: it routes with vLLM's own router (identical top-k to plain vLLM) and
-hands the rows to the core's ``RemoteMoE``; no routed expert weight is created. Without an
-``afd`` block it is upstream ``FusedMoE`` unchanged.
+In vLLM 0.23.0 ``DeepseekV2MoE`` and ``Qwen2MoeSparseMoeBlock`` build their gate and
+shared-expert MLP and hand the shared MLP to ``FusedMoE``, whose runner returns routed +
+shared in one tensor. ``AFDFusedMoE`` keeps that contract on an Attention rank: it routes with
+vLLM's own router (identical top-k to plain vLLM) and hands the rows to the core's
+``RemoteMoE``; no routed expert weight is created.
+
+It is installed only while an AFD model wrapper builds its model (``remote_experts_installed``),
+as the out-of-tree class vLLM's ``PluggableLayer`` resolves ``FusedMoE`` to, and the entry in
+force before (vllm-ascend's ``AscendFusedMoE`` on NPU, none on CPU) is restored right after:
+nothing is registered at plugin load, so the platform's own registration never collides with
+the plugin's and a model without an ``afd`` block is built exactly as upstream builds it.
 """
 
 from __future__ import annotations
@@ -13,9 +18,12 @@ from __future__ import annotations
 import atexit
 import logging
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.fused_moe.router.router_factory import create_fused_moe_router
 
@@ -80,16 +88,39 @@ def attention_rank(vllm_config, cfg: AFDConfig) -> AttentionRank:
     return _attention_rank
 
 
+def platform_expert_selection(top_k: int, num_experts: int, routing: dict):
+    """(hidden_states, router_logits) -> (top-k weights, ids), chosen as plain vLLM chooses on
+    this platform, without the routed scaling factor (the core's combine applies it once).
+
+    On CPU, vLLM 0.23.0's fused MoE routes inside its kernel with ``cpu_fused_moe.select_experts``
+    (the router factory's softmax top-k is a CUDA-only op there); elsewhere FusedMoE routes with
+    the router from ``create_fused_moe_router``."""
+    from vllm.platforms import current_platform
+
+    common = dict(top_k=top_k, renormalize=routing.get("renormalize", True),
+                  use_grouped_topk=routing.get("use_grouped_topk", False),
+                  num_expert_group=routing.get("num_expert_group"), topk_group=routing.get("topk_group"),
+                  scoring_func=routing.get("scoring_func", "softmax"), routed_scaling_factor=1.0,
+                  e_score_correction_bias=routing.get("e_score_correction_bias"),
+                  custom_routing_function=routing.get("custom_routing_function"))
+    if current_platform.is_cpu():
+        from vllm.model_executor.layers.fused_moe import cpu_fused_moe
+
+        return lambda hidden_states, router_logits: cpu_fused_moe.select_experts(
+            hidden_states=hidden_states, router_logits=router_logits, **common)
+    return create_fused_moe_router(global_num_experts=num_experts, num_logical_experts=num_experts,
+                                   **common).select_experts
+
+
 class AFDFusedMoE(FusedMoE):
+    """Remote experts of one MoE layer on an Attention rank (built only under an afd block)."""
+
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *args,
                  prefix: str = "", shared_experts: torch.nn.Module | None = None, **kwargs):
         vllm_config = get_current_vllm_config()
         cfg = afd_config_of(vllm_config)
         if cfg is None:
-            super().__init__(num_experts, top_k, hidden_size, intermediate_size, *args, prefix=prefix,
-                             shared_experts=shared_experts, **kwargs)
-            self.afd = None
-            return
+            raise RuntimeError("afd: AFDFusedMoE is installed only while an AFD model is built")
         if args:
             raise TypeError("afd: FusedMoE must be built with keyword arguments (as vLLM 0.23.0 models do)")
         # nn.Module init only: FusedMoE.__init__ would create the routed expert weights.
@@ -97,7 +128,7 @@ class AFDFusedMoE(FusedMoE):
         match = LAYER_PREFIX.search(prefix + ".")
         if match is None:
             raise ValueError(f"afd: cannot tell the layer index of MoE layer {prefix!r}")
-        self.layer_name, self.afd = prefix, cfg
+        self.layer_name = prefix  # as upstream FusedMoE names itself
         rank = attention_rank(vllm_config, cfg)
         layer = int(match.group(1))
         if layer not in rank.spec.moe_layers:
@@ -110,22 +141,17 @@ class AFDFusedMoE(FusedMoE):
             if rank.tp_size > 1:
                 raise ValueError("afd.shared_experts.placement: 'attention' supports Attention tensor parallel size 1 "
                                  f"only (got {rank.tp_size}); use placement 'ffn'")
-            # Views of vLLM's own (merged gate_up, down) parameters: filled in place by its loader.
+            # Views of vLLM's own (merged gate_up, down, Qwen2-MoE's expert gate) parameters:
+            # filled in place by its loader.
+            expert_gate = getattr(shared_experts, "expert_gate", None)
             shared = SharedExpertWeights(gate_up=shared_experts.gate_up_proj.weight.data,
-                                         down=shared_experts.down_proj.weight.data, shared_gate=None)
+                                         down=shared_experts.down_proj.weight.data,
+                                         shared_gate=None if expert_gate is None else expert_gate.weight.data)
         elif shared_experts is not None:
-            # Built (uninitialized) by upstream DeepseekV2MoE before this layer: release its
+            # Built (uninitialized) by the upstream MoE block before this layer: release its
             # storage now, before the next layer is built; the model wrapper drops the module.
             shared_experts.to_empty(device="meta")
-        e_score_correction_bias = kwargs.get("e_score_correction_bias")
-        self.router = create_fused_moe_router(
-            top_k=top_k, global_num_experts=num_experts, renormalize=kwargs.get("renormalize", True),
-            use_grouped_topk=kwargs.get("use_grouped_topk", False),
-            num_expert_group=kwargs.get("num_expert_group"), topk_group=kwargs.get("topk_group"),
-            scoring_func=kwargs.get("scoring_func", "softmax"),
-            # The core's combine applies routed_scaling_factor exactly once.
-            routed_scaling_factor=1.0, e_score_correction_bias=e_score_correction_bias,
-            custom_routing_function=kwargs.get("custom_routing_function"), num_logical_experts=num_experts)
+        self.select_experts = platform_expert_selection(top_k, num_experts, kwargs)
         self.rank = rank
         self.remote = RemoteMoE(
             spec=rank.spec, layer=layer, connector=rank.connector, num_ffn_ranks=cfg.num_ffn_ranks,
@@ -134,13 +160,11 @@ class AFDFusedMoE(FusedMoE):
 
     @property
     def is_internal_router(self) -> bool:
-        return False if self.afd is not None else super().is_internal_router
+        return False
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor,
                 input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if self.afd is None:
-            return super().forward(hidden_states, router_logits, input_ids)
-        topk_weights, topk_ids = self.router.select_experts(hidden_states, router_logits)
+        topk_weights, topk_ids = self.select_experts(hidden_states, router_logits)
         rank = self.rank
         if rank.tp_size == 1:
             # Idle DP steps arrive here too (dummy rows): they are dispatched like any other
@@ -153,3 +177,21 @@ class AFDFusedMoE(FusedMoE):
         weights, _ = shard_tokens(topk_weights, rank.tp_rank, rank.tp_size)
         out = self.remote.forward(x, ids, weights, num_tokens=real)
         return all_gather_and_trim(out, hidden_states.shape[0], rank.tp_group)
+
+
+@contextmanager
+def remote_experts_installed(vllm_config) -> Iterator[None]:
+    """While an AFD model is built, ``FusedMoE(...)`` builds ``AFDFusedMoE``; the out-of-tree
+    entry in force before (if any) is back afterwards. A no-op without an afd block."""
+    if afd_config_of(vllm_config) is None:
+        yield
+        return
+    previous = op_registry_oot.get("FusedMoE")
+    op_registry_oot["FusedMoE"] = AFDFusedMoE
+    try:
+        yield
+    finally:
+        if previous is None:
+            del op_registry_oot["FusedMoE"]
+        else:
+            op_registry_oot["FusedMoE"] = previous

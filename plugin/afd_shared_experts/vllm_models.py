@@ -1,9 +1,10 @@
-"""Attention-role model wrappers for DeepSeek-V2/V3 in vLLM 0.23.0.
+"""Attention-role model wrappers for DeepSeek-V2/V3 and Qwen2-MoE in vLLM 0.23.0.
 
 Attention, norms, dense MLPs and the gate stay local; each MoE layer's experts are the
-remote experts of ``vllm_experts.AFDFusedMoE``. The wrappers drop what an Attention rank
-must not hold and skip those checkpoint tensors: routed experts always, the shared expert
-under placement 'ffn'. Without an ``afd`` block they are the upstream classes unchanged.
+remote experts of ``vllm_experts.AFDFusedMoE``, built while the wrapper builds its model. The
+wrappers drop what an Attention rank must not hold and skip those checkpoint tensors: routed
+experts always, the shared expert (and Qwen2-MoE's shared-expert gate) under placement 'ffn'.
+Without an ``afd`` block they are the upstream classes unchanged.
 """
 
 from __future__ import annotations
@@ -11,33 +12,36 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from vllm.model_executor.models.deepseek_v2 import (
-    DeepseekV2ForCausalLM,
-    DeepseekV2MoE,
-    DeepseekV3ForCausalLM,
-)
+from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
 
 from .model import tensor_bytes
+from .vllm_experts import AFDFusedMoE, remote_experts_installed
 from .vllm_plugin import afd_config_of
 
 ROUTED_EXPERTS = ".mlp.experts."
-SHARED_EXPERTS = ".mlp.shared_experts."
+# Module names of the shared expert in each supported MoE block (DeepSeek, Qwen2-MoE).
+SHARED_MODULES = ("shared_experts", "shared_expert", "shared_expert_gate")
 
 
-class _AFDDeepseekMixin:
-    def _afd_setup(self, vllm_config) -> None:
+class _AFDModelMixin:
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        with remote_experts_installed(vllm_config):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
         cfg = afd_config_of(vllm_config)
         self.afd_placement = None if cfg is None else cfg.shared_experts.placement
         if self.afd_placement == "ffn":
             for layer in self.model.layers:
                 mlp = getattr(layer, "mlp", None)
-                if isinstance(mlp, DeepseekV2MoE):
-                    mlp.shared_experts = None
+                if isinstance(getattr(mlp, "experts", None), AFDFusedMoE):
+                    for name in SHARED_MODULES:
+                        if getattr(mlp, name, None) is not None:
+                            setattr(mlp, name, None)
 
     def _afd_skipped(self, name: str) -> bool:
         if ROUTED_EXPERTS in name:
             return True
-        return self.afd_placement == "ffn" and SHARED_EXPERTS in name
+        return self.afd_placement == "ffn" and any(f".mlp.{module}." in name for module in SHARED_MODULES)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if self.afd_placement is not None:
@@ -49,16 +53,16 @@ class _AFDDeepseekMixin:
         return loaded
 
 
-class AFDDeepseekV2ForCausalLM(_AFDDeepseekMixin, DeepseekV2ForCausalLM):
-    def __init__(self, *, vllm_config, prefix: str = ""):
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._afd_setup(vllm_config)
+class AFDDeepseekV2ForCausalLM(_AFDModelMixin, DeepseekV2ForCausalLM):
+    pass
 
 
-class AFDDeepseekV3ForCausalLM(_AFDDeepseekMixin, DeepseekV3ForCausalLM):
-    def __init__(self, *, vllm_config, prefix: str = ""):
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._afd_setup(vllm_config)
+class AFDDeepseekV3ForCausalLM(_AFDModelMixin, DeepseekV3ForCausalLM):
+    pass
+
+
+class AFDQwen2MoeForCausalLM(_AFDModelMixin, Qwen2MoeForCausalLM):
+    pass
 
 
 def model_parameter_bytes(model: torch.nn.Module) -> int:

@@ -2,10 +2,11 @@
 
 vLLM calls ``register()`` in every process (argument parsing, engine core, each worker)
 *before* any ``--additional-config`` is known, so registration cannot look at the ``afd``
-block. What it registers is inert without one: the experts layer and the model wrappers
-check ``vllm_config.additional_config`` when they are built and behave exactly like
-upstream when it has no ``afd`` block. Only official extension points are used
-(``FusedMoE.register_oot`` and ``ModelRegistry.register_model``); see docs/compat.md.
+block. What it registers is inert without one: the model wrappers (``ModelRegistry``) check
+``vllm_config.additional_config`` when they are built and are the upstream classes without an
+``afd`` block. The experts layer is not registered here: a wrapper installs it only while it
+builds an AFD model (``vllm_experts.remote_experts_installed``), so the platform plugin's own
+``FusedMoE`` registration (vllm-ascend's) never collides with this plugin. See docs/compat.md.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ SUPPORTED_VLLM_VERSION = "0.23.0"
 MODEL_WRAPPERS = {
     "DeepseekV2ForCausalLM": "afd_shared_experts.vllm_models:AFDDeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "afd_shared_experts.vllm_models:AFDDeepseekV3ForCausalLM",
+    "Qwen2MoeForCausalLM": "afd_shared_experts.vllm_models:AFDQwen2MoeForCausalLM",
 }
 
 
@@ -65,18 +67,12 @@ _registered = False
 
 
 def register() -> None:
-    """Idempotent: registers the AFD experts layer and model wrappers once per process."""
+    """Idempotent: registers the AFD model wrappers once per process."""
     global _registered
     if _registered:
         return
     from vllm import ModelRegistry
-    from vllm.model_executor.custom_op import op_registry_oot
-    from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 
-    if "FusedMoE" not in op_registry_oot:
-        from .vllm_experts import AFDFusedMoE
-
-        FusedMoE.register_oot(AFDFusedMoE, name="FusedMoE")
     for arch, target in MODEL_WRAPPERS.items():
         ModelRegistry.register_model(arch, target)
     _registered = True

@@ -177,7 +177,7 @@ class ThreadWorld:
                  transport_wrapper=None, with_metrics: bool = False):
         from afd_shared_experts.attention import AttentionMoELayer, RemoteMoE
         from afd_shared_experts.connector import P2PConnector
-        from afd_shared_experts.ffn_runtime import FFNRuntime
+        from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
         from afd_shared_experts.metrics import RuntimeMetrics
         from afd_shared_experts.model import load_attention_weights, load_ffn_weights, load_spec
         from afd_shared_experts.selfcheck import free_port
@@ -214,7 +214,8 @@ class ThreadWorld:
              for l, w in weights.items()}
             for c, weights in zip(self.attention_connectors, self.attention_weights)
         ]
-        self.runtimes = [FFNRuntime(c, w, metrics=c.metrics).start() for c, w in zip(self.ffn_connectors, self.ffn_weights)]
+        self.runtimes = [FFNRuntime(c, torch_experts(w), metrics=c.metrics).start()
+                         for c, w in zip(self.ffn_connectors, self.ffn_weights)]
 
     def run(self, hidden_states: torch.Tensor, *, model_units: bool = True) -> dict[int, torch.Tensor]:
         """Every MoE layer on the same input, tokens split contiguously across Attention ranks."""

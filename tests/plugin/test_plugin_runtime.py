@@ -17,7 +17,7 @@ from afd_shared_experts.compute import route
 from afd_shared_experts.connector import P2PConnector
 from afd_shared_experts.device import resolve_device
 from afd_shared_experts.errors import ConnectorClosedError, DeviceUnavailableError, PairingError, PeerLostError
-from afd_shared_experts.ffn_runtime import FFNRuntime
+from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
 from afd_shared_experts.metrics import ProbeServer
 from afd_shared_experts.model import (CheckpointReader, load_attention_weights, load_ffn_weights, load_spec,
                                       tensor_bytes)
@@ -72,7 +72,7 @@ def test_stages_complete_out_of_order_and_pair_correctly(checkpoints):
     model_dir = checkpoints["deepseek_v2"]
     spec, (attention, ffn) = connectors(model_dir, 1, 1)
     weights = load_attention_weights(model_dir, spec, "ffn", torch.float32)
-    runtime = FFNRuntime(ffn, load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32)).start()
+    runtime = FFNRuntime(ffn, torch_experts(load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32))).start()
     try:
         xs = [torch.randn(6, spec.hidden_size), torch.randn(9, spec.hidden_size)]
         remotes, pendings = [], []
@@ -97,7 +97,7 @@ def test_reply_that_answers_another_dispatch_is_an_error(checkpoints):
     model_dir = checkpoints["deepseek_v2"]
     spec, (attention, ffn) = connectors(model_dir, 1, 1)
     weights = load_attention_weights(model_dir, spec, "ffn", torch.float32)
-    runtime = FFNRuntime(ffn, load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32))
+    runtime = FFNRuntime(ffn, torch_experts(load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32)))
 
     def rogue_ffn():
         item = ffn.receive_work()
@@ -146,7 +146,7 @@ def test_work_is_served_in_arrival_order_across_attention_ranks(checkpoints):
 def test_close_unblocks_blocking_receives(checkpoints):
     model_dir = checkpoints["deepseek_v2"]
     spec, (attention, ffn) = connectors(model_dir, 1, 1)
-    runtime = FFNRuntime(ffn, load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32)).start()
+    runtime = FFNRuntime(ffn, torch_experts(load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32))).start()
     time.sleep(0.2)  # let the loop block in receive_work
     runtime.stop(timeout=5)  # returns (no stored error) instead of hanging
     assert not ffn.is_initialized
@@ -237,7 +237,7 @@ def test_killed_attention_rank_fails_ffn_loop_with_clear_error(checkpoints):
                        timeout_seconds=3)
     try:
         run_threads([attention0.init, ffn.init], timeout=60)
-        runtime = FFNRuntime(ffn, load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32)).start()
+        runtime = FFNRuntime(ffn, torch_experts(load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32))).start()
         child.kill()
         child.join(10)
         with pytest.raises(PeerLostError, match=r"Attention rank 1"):

@@ -1,7 +1,8 @@
 """End-to-end with real vLLM 0.23.0 on CPU (offline vllm.LLM): AFD greedy output equals
 plain vLLM's, and the Attention side holds exactly the shared-expert bytes less under
 placement 'ffn'. Three vLLM starts per model (plain, placement ffn, placement attention),
-each AFD one with two FFN server processes."""
+each AFD one with two FFN server processes. Every run has the test bed's stand-in for a
+platform plugin's own FusedMoE registration (as vllm-ascend makes) loaded beside the plugin."""
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from vllm_harness import (
     write_vllm_checkpoint,
 )
 
-MODELS = ("deepseek_v2", "deepseek_v3")
+MODELS = ("deepseek_v2", "deepseek_v3", "qwen2_moe")
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +50,15 @@ def runs(tmp_path_factory):
 
 
 def shared_expert_bytes(model_dir) -> int:
+    """Bytes of every shared-expert tensor (Qwen2-MoE: with its shared-expert gate) as float32."""
     spec = load_spec(model_dir)
+    modules = (spec.shared_prefix, "shared_expert_gate") if spec.has_shared_gate else (spec.shared_prefix,)
     total = 0
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
-        for layer in spec.moe_layers:
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                t = f.get_tensor(f"model.layers.{layer}.mlp.shared_experts.{proj}.weight")
-                total += t.numel() * torch.float32.itemsize
+        names = [n for n in f.keys() if any(f".mlp.{module}." in n for module in modules)]
+        assert len(names) == len(spec.moe_layers) * (4 if spec.has_shared_gate else 3)
+        for name in names:
+            total += f.get_tensor(name).numel() * torch.float32.itemsize
     return total
 
 
@@ -83,3 +86,14 @@ def test_attention_bytes_shrink_by_exactly_the_shared_experts(runs, model_type):
     assert shared > 0 and attention - ffn == shared
     # No routed expert weight on the Attention side under either placement.
     assert plain > attention
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_remote_experts_are_built_only_for_afd_and_the_platform_layer_is_restored(runs, model_type):
+    # Plain vLLM builds the platform's registered FusedMoE; an AFD model builds remote experts in
+    # every MoE layer, and the platform's registration is in force again once it is built.
+    assert runs[model_type, "plain"]["experts_classes"] == [["PlatformFusedMoE"]]
+    for placement in ("ffn", "attention"):
+        assert runs[model_type, placement]["experts_classes"] == [["AFDFusedMoE"]]
+    for run in ("plain", "ffn", "attention"):
+        assert runs[model_type, run]["fused_moe_registered"] == ["PlatformFusedMoE"]

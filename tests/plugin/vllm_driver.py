@@ -2,12 +2,26 @@
 
 python vllm_driver.py REQUEST.json RESULT.json
 REQUEST: {"model", "prompts" (token ids), "max_tokens", "additional_config" (optional)}
-RESULT: {"token_ids": [[...] per prompt], "generate_seconds", "parameter_bytes": [per worker]}
+RESULT: {"token_ids": [[...] per prompt], "generate_seconds", "parameter_bytes": [per worker],
+         "experts_classes": [per worker: class names of the MoE layers' experts],
+         "fused_moe_registered": [per worker: the out-of-tree FusedMoE class in force after the build]}
 """
 
 import json
 import sys
 import time
+
+
+def experts_classes(model) -> list[str]:
+    return sorted({type(module.mlp.experts).__name__ for module in model.model.layers
+                   if hasattr(getattr(module, "mlp", None), "experts")})
+
+
+def fused_moe_registered(model) -> str | None:
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    registered = op_registry_oot.get("FusedMoE")
+    return None if registered is None else registered.__name__
 
 
 def main() -> None:
@@ -26,7 +40,9 @@ def main() -> None:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     result = {"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
               "generate_seconds": time.perf_counter() - started,
-              "parameter_bytes": llm.apply_model(model_parameter_bytes)}
+              "parameter_bytes": llm.apply_model(model_parameter_bytes),
+              "experts_classes": llm.apply_model(experts_classes),
+              "fused_moe_registered": llm.apply_model(fused_moe_registered)}
     with open(sys.argv[2], "w") as handle:
         json.dump(result, handle)
 
