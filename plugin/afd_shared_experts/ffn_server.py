@@ -3,7 +3,9 @@
 Started with the same ``--model`` and ``--additional-config`` as the Attention engines plus
 its FFN rank range. For each local FFN rank it loads only that rank's routed-expert shard
 (and, under placement 'ffn', the shared experts), joins the AFD world and serves work items
-with the core runtime (torch kernels; no vLLM engine or scheduler is needed here).
+with the core runtime. Expert math: vLLM's MoE layer, kernels and (quantized) weight loaders
+(``--expert-backend vllm``, ``vllm_ffn``) or plain torch (``torch``, unquantized only); no
+vLLM engine or scheduler is needed either way.
 
 Probes: /health (200 while the process runs), /ready (200 only once every local rank has
 loaded its weights and initialized its connector), /metrics (Prometheus).
@@ -27,7 +29,7 @@ import torch
 from .config import AFDConfig, AFDConfigError, parse_afd_config
 from .connector import P2PConnector
 from .errors import AFDError, ConnectorClosedError
-from .ffn_runtime import FFNRuntime, torch_experts
+from .ffn_runtime import FFNRuntime, LayerExperts, torch_experts
 from .metrics import ProbeServer, RuntimeMetrics
 from .model import DTYPES, CheckpointError, load_ffn_weights, load_spec
 from .roles import ffn_world_ranks
@@ -37,6 +39,7 @@ logger = logging.getLogger("afd_shared_experts.ffn_server")
 # A rank retries the rendezvous until the Attention ranks come up (FFN pods start first).
 RENDEZVOUS_RETRY_SECONDS = 2.0
 STOP_TIMEOUT_SECONDS = 30.0
+EXPERT_BACKENDS = ("auto", "vllm", "torch")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,8 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the Attention engines' value; bounds the rows of one work item")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                    help="model dtype; 'auto' takes config.json's torch_dtype like vLLM")
-    p.add_argument("--max-model-len", type=int, default=None, help="accepted for symmetry with the engines")
-    p.add_argument("--quantization", default=None, help="must be unset: the torch expert path is unquantized")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the engines' value (used by the vllm expert backend's model config)")
+    p.add_argument("--quantization", default=None,
+                   help="vLLM quantization method of the experts (vllm backend only; e.g. fp8, ascend)")
+    p.add_argument("--expert-backend", choices=EXPERT_BACKENDS, default="auto",
+                   help="expert compute: vllm (vLLM's MoE kernels and loaders), torch (unquantized), "
+                        "auto: vllm when vLLM can be imported, else torch")
     p.add_argument("--additional-config", required=True, help="JSON holding the 'afd' block (role 'ffn')")
     p.add_argument("--device", default="auto",
                    help="cpu, cuda or npu; 'auto': npu when VLLM_PLUGINS names 'ascend', else cuda if available, else cpu")
@@ -81,11 +89,51 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, AFDCo
     return args, cfg, ranks
 
 
-def check_supported(args: argparse.Namespace) -> None:
-    """Valid arguments this server cannot serve (yet): refused before any weight is read."""
-    if args.quantization is not None:
-        raise ArgumentError(f"--quantization: {args.quantization!r} is not supported by the FFN server's unquantized "
-                            "expert path; serve an unquantized checkpoint")
+def resolve_expert_backend(name: str) -> str:
+    """'vllm' or 'torch' for --expert-backend (imports vLLM when it may be used)."""
+    if name == "torch":
+        return "torch"
+    from .vllm_plugin import VLLMVersionError, require_supported_vllm
+
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        if name == "auto":
+            return "torch"
+        raise ArgumentError(f"--expert-backend vllm: vLLM cannot be imported ({exc}); install vLLM 0.23.0 "
+                            "(vllm-ascend on NPU) or use --expert-backend torch") from exc
+    try:
+        require_supported_vllm()
+    except VLLMVersionError as exc:
+        raise ArgumentError(f"--expert-backend {name}: {exc}") from exc
+    return "vllm"
+
+
+def check_supported(args: argparse.Namespace) -> str:
+    """The expert backend to use; refuses what it cannot serve before any weight is read."""
+    backend = resolve_expert_backend(args.expert_backend)
+    if args.quantization is None:
+        return backend
+    if backend == "torch":
+        raise ArgumentError(f"--quantization: {args.quantization!r} is not supported by the torch expert backend "
+                            "(unquantized only); use --expert-backend vllm or serve an unquantized checkpoint")
+    from .vllm_ffn import quantization_methods
+
+    known = quantization_methods()
+    if args.quantization not in known:
+        raise ArgumentError(f"--quantization: {args.quantization!r} is not a quantization method vLLM knows here "
+                            f"(known: {', '.join(known)})")
+    return backend
+
+
+def require_unquantized_checkpoint(model_dir: str) -> None:
+    """The torch backend reads weights as plain tensors: a quantized checkpoint would be served wrong."""
+    with open(os.path.join(model_dir, "config.json")) as handle:
+        declared = json.load(handle).get("quantization_config")
+    if declared:
+        method = declared.get("quant_method", "?") if isinstance(declared, dict) else "?"
+        raise CheckpointError(f"{model_dir}: the checkpoint is quantized (quantization_config.quant_method "
+                              f"{method!r}) but --expert-backend torch is unquantized only; use --expert-backend vllm")
 
 
 def resolve_dtype(name: str, model_dir: str) -> torch.dtype:
@@ -108,8 +156,8 @@ def resolve_device_name(name: str) -> str:
 
 
 class FFNServer:
-    def __init__(self, args: argparse.Namespace, cfg: AFDConfig, world_ranks: list[int]):
-        self.args, self.cfg, self.world_ranks = args, cfg, world_ranks
+    def __init__(self, args: argparse.Namespace, cfg: AFDConfig, world_ranks: list[int], expert_backend: str):
+        self.args, self.cfg, self.world_ranks, self.expert_backend = args, cfg, world_ranks, expert_backend
         self.metrics = RuntimeMetrics("ffn")
         self.runtimes: list[FFNRuntime] = []
         self.stopping = threading.Event()
@@ -133,21 +181,33 @@ class FFNServer:
         dtype = resolve_dtype(args.dtype, args.model)
         device_name = resolve_device_name(args.device)
         local = [args.ffn_rank_start + i for i in range(args.ffn_local_ranks)]
-        weights = {}
-        for i, ffn_index in enumerate(local):
+        devices = [device_name if device_name == "cpu" or args.ffn_local_ranks == 1 else f"{device_name}:{i}"
+                   for i in range(args.ffn_local_ranks)]
+        experts = {}
+        for ffn_index, device in zip(local, devices):
             started = time.monotonic()
-            weights[ffn_index] = load_ffn_weights(args.model, spec, cfg.shared_experts.placement, ffn_index,
-                                                  cfg.num_ffn_ranks, dtype)
-            logger.info("FFN rank %d: loaded %d MoE layers in %.1fs (placement %s)", ffn_index, len(spec.moe_layers),
-                        time.monotonic() - started, cfg.shared_experts.placement)
+            experts[ffn_index] = self._load_experts(spec, ffn_index, dtype, device)
+            logger.info("FFN rank %d: loaded %d MoE layers in %.1fs (placement %s, %s expert backend)", ffn_index,
+                        len(spec.moe_layers), time.monotonic() - started, cfg.shared_experts.placement,
+                        self.expert_backend)
         self.weights_loaded = True
-        for i, (ffn_index, world_rank) in enumerate(zip(local, self.world_ranks)):
-            device = device_name if device_name == "cpu" or args.ffn_local_ranks == 1 else f"{device_name}:{i}"
+        for ffn_index, world_rank, device in zip(local, self.world_ranks, devices):
             connector = self._connect(world_rank, spec.hidden_size, spec.local_experts(cfg.num_ffn_ranks), dtype, device)
             if connector is None:
                 return
-            self.runtimes.append(FFNRuntime(connector, torch_experts(weights[ffn_index]), self.metrics).start())
+            self.runtimes.append(FFNRuntime(connector, experts[ffn_index], self.metrics).start())
             logger.info("FFN rank %d (world rank %d) serving", ffn_index, world_rank)
+
+    def _load_experts(self, spec, ffn_index: int, dtype: torch.dtype, device: str) -> dict[int, LayerExperts]:
+        args, cfg = self.args, self.cfg
+        placement = cfg.shared_experts.placement
+        if self.expert_backend == "vllm":
+            from .vllm_ffn import build_vllm_experts
+
+            return build_vllm_experts(args.model, spec, placement, ffn_index, cfg.num_ffn_ranks, dtype,
+                                      args.quantization, args.max_model_len, args.max_num_batched_tokens, device)
+        require_unquantized_checkpoint(args.model)
+        return torch_experts(load_ffn_weights(args.model, spec, placement, ffn_index, cfg.num_ffn_ranks, dtype))
 
     def _connect(self, world_rank: int, hidden: int, local_experts: int, dtype: torch.dtype, device: str):
         """Rendezvous, retried until the Attention ranks are up or the server is stopped."""
@@ -195,11 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         args, cfg, ranks = parse_args(argv)
-        check_supported(args)
+        expert_backend = check_supported(args)
     except (AFDConfigError, ArgumentError, ValueError) as exc:
         print(f"ffn_server: {exc}", file=sys.stderr)
         return 2
-    server = FFNServer(args, cfg, ranks)
+    logger.info("expert backend: %s (--expert-backend %s)", expert_backend, args.expert_backend)
+    server = FFNServer(args, cfg, ranks, expert_backend)
 
     def on_signal(signum, _frame):
         logger.info("signal %d: draining", signum)

@@ -169,15 +169,22 @@ class CheckpointReader:
                 for name in handle.keys():
                     self._location[name] = file
 
-    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor as stored (quantized weights and their scales keep their dtypes)."""
         file = self._location.get(name)
         if file is None:
             raise CheckpointError(f"{self.model_dir}: checkpoint lacks tensor {name!r}")
         with safe_open(str(file), framework="pt") as handle:
-            return handle.get_tensor(name).to(dtype).contiguous()
+            return handle.get_tensor(name)
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        return self.read(name).to(dtype).contiguous()
 
     def has(self, name: str) -> bool:
         return name in self._location
+
+    def names_under(self, prefix: str) -> list[str]:
+        return sorted(name for name in self._location if name.startswith(prefix))
 
 
 def _mlp_weights(reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,20 @@ from vllm_harness import (
 MODELS = ("deepseek_v2", "deepseek_v3", "qwen2_moe")
 
 
+def afd_run(model, request: dict, block: dict, root, tag: str) -> dict:
+    """The driver as an AFD Attention side with two FFN server processes (stopped after)."""
+    servers = start_ffn_servers(model, block, root, tag=f"ffn-{tag}")
+    try:
+        result = run_driver({**request, "additional_config": block}, root, f"afd-{tag}")
+        # Still serving after the run: the engine's exit closed its connector cleanly.
+        result["ffn_ready_after_run"] = [http_status(port, "/ready") for _, port in servers]
+    finally:
+        for proc, _ in servers:
+            proc.stop()
+    result["ffn_logs"] = [proc.log() for proc, _ in servers]
+    return result
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     install_testbed_plugin()
@@ -35,18 +49,22 @@ def runs(tmp_path_factory):
         results[model_type, "plain"] = run_driver(request, root, "plain")
         for placement in ("ffn", "attention"):
             block = afd_block("attention", port=free_port(), placement=placement)
-            servers = start_ffn_servers(model, block, root, tag=f"ffn-{placement}")
-            try:
-                result = run_driver({**request, "additional_config": block}, root, f"afd-{placement}")
-                # Still serving after the run: the engine's exit closed its connector cleanly.
-                result["ffn_ready_after_run"] = [http_status(port, "/ready") for _, port in servers]
-            finally:
-                for proc, _ in servers:
-                    proc.stop()
-                result["ffn_logs"] = [proc.log() for proc, _ in servers]
-            results[model_type, placement] = result
+            results[model_type, placement] = afd_run(model, request, block, root, placement)
         results[model_type, "model"] = model
     return results
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_2(tmp_path_factory):
+    """Attention TP 2 (two workers: Attention ranks 0 and 1, each dispatching its token shard)
+    with placement 'ffn', and plain vLLM at TP 2: its reductions differ from TP 1's, so that is
+    the reference."""
+    install_testbed_plugin()
+    root = tmp_path_factory.mktemp("tp2")
+    model = write_vllm_checkpoint(root / "model", "deepseek_v2")
+    request = {"model": str(model), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "tensor_parallel_size": 2}
+    block = afd_block("attention", port=free_port(), attention_ranks=2, tp=2)
+    return {"plain": run_driver(request, root, "plain-tp2"), "afd": afd_run(model, request, block, root, "tp2")}
 
 
 def shared_expert_bytes(model_dir) -> int:
@@ -97,3 +115,11 @@ def test_remote_experts_are_built_only_for_afd_and_the_platform_layer_is_restore
         assert runs[model_type, placement]["experts_classes"] == [["AFDFusedMoE"]]
     for run in ("plain", "ffn", "attention"):
         assert runs[model_type, run]["fused_moe_registered"] == ["PlatformFusedMoE"]
+
+
+def test_attention_tensor_parallel_2_with_placement_ffn_equals_plain_vllm(tensor_parallel_2):
+    plain, afd = tensor_parallel_2["plain"], tensor_parallel_2["afd"]
+    assert all(len(ids) == MAX_TOKENS for ids in plain["token_ids"])
+    assert afd["token_ids"] == plain["token_ids"]
+    assert afd["experts_classes"] == [["AFDFusedMoE"], ["AFDFusedMoE"]]
+    assert all("serving" in log for log in afd["ffn_logs"]), afd["ffn_logs"]

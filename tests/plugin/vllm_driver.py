@@ -1,7 +1,8 @@
 """Runs under the vLLM venv: greedy generation with offline vllm.LLM.
 
 python vllm_driver.py REQUEST.json RESULT.json
-REQUEST: {"model", "prompts" (token ids), "max_tokens", "additional_config" (optional)}
+REQUEST: {"model", "prompts" (token ids), "max_tokens", "additional_config" (optional),
+          "tensor_parallel_size" (optional, default 1)}
 RESULT: {"token_ids": [[...] per prompt], "generate_seconds", "parameter_bytes": [per worker],
          "experts_classes": [per worker: class names of the MoE layers' experts],
          "fused_moe_registered": [per worker: the out-of-tree FusedMoE class in force after the build]}
@@ -33,7 +34,8 @@ def main() -> None:
     request = json.loads(open(sys.argv[1]).read())
     kwargs = {"additional_config": request["additional_config"]} if request.get("additional_config") else {}
     llm = LLM(model=request["model"], dtype="float32", enforce_eager=True, max_model_len=512,
-              max_num_batched_tokens=512, max_num_seqs=8, seed=0, **kwargs)
+              max_num_batched_tokens=512, max_num_seqs=8, seed=0,
+              tensor_parallel_size=request.get("tensor_parallel_size", 1), **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     started = time.perf_counter()
