@@ -1,5 +1,6 @@
 """End-to-end CPU benchmark with real vLLM 0.23.0: plain vLLM vs AFD placement 'attention'
-vs AFD placement 'ffn' (1 Attention rank + 2 FFN server processes) on a tiny DeepSeek-V2.
+vs AFD placement 'ffn' (1 Attention rank + 2 FFN server processes) on a tiny DeepSeek-V2, and
+placement 'ffn' with the FFN servers' torch expert backend instead of vLLM's kernels.
 
 Run through the repo's environments (the vLLM venv runs the engines, this script does not
 import vllm):
@@ -42,16 +43,18 @@ def main() -> int:
         root = Path(tmp)
         model = write_vllm_checkpoint(root / "model", "deepseek_v2")
         request = {"model": str(model), "prompts": prompts, "max_tokens": args.max_tokens}
-        for name, placement in (("plain vLLM", None), ("AFD placement attention", "attention"),
-                                ("AFD placement ffn", "ffn")):
-            servers = []
+        runs = (("plain vLLM", None, "vllm"), ("AFD placement attention", "attention", "vllm"),
+                ("AFD placement ffn", "ffn", "vllm"), ("AFD ffn, torch experts", "ffn", "torch"))
+        for name, placement, backend in runs:
             if placement is None:
                 result = run_driver(request, root, "plain")
             else:
+                tag = f"{placement}-{backend}"
                 block = afd_block("attention", port=free_port(), placement=placement)
-                servers = start_ffn_servers(model, block, root, tag=f"ffn-{placement}")
+                servers = start_ffn_servers(model, block, root, tag=f"ffn-{tag}",
+                                            extra_args=("--expert-backend", backend))
                 try:
-                    result = run_driver({**request, "additional_config": block}, root, f"afd-{placement}")
+                    result = run_driver({**request, "additional_config": block}, root, f"afd-{tag}")
                 finally:
                     for proc, _ in servers:
                         proc.stop()

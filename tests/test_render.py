@@ -89,6 +89,24 @@ def test_ascend_pod_shape() -> None:
             assert port["hostPort"] == port["containerPort"]
 
 
+def test_only_the_head_serves_a_prometheus_multiprocess_directory() -> None:
+    # vLLM's /metrics on the head aggregates its engine processes (the plugin's afd_* counters of
+    # each Attention rank) from this directory; a fresh emptyDir per pod, so no stale counts.
+    pods = of_kind(render_spec(spec_of(replicas=1)), "Pod")
+    heads = [p for p in pods if p["metadata"]["labels"][naming.LABEL_HEAD] == "true"]
+    assert len(heads) == 1 and len(pods) > 2  # a headless Attention pod and FFN pods too
+    for pod in pods:
+        c = pod["spec"]["containers"][0]
+        head = pod["metadata"]["labels"][naming.LABEL_HEAD] == "true"
+        vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        if head:
+            assert env_of(pod)["PROMETHEUS_MULTIPROC_DIR"] == mounts["prometheus-multiproc"]
+            assert vols["prometheus-multiproc"] == {"name": "prometheus-multiproc", "emptyDir": {}}
+        else:
+            assert "PROMETHEUS_MULTIPROC_DIR" not in env_of(pod) and "prometheus-multiproc" not in vols
+
+
 def test_probes_and_prestop_per_role() -> None:
     pods = {p["metadata"]["name"]: p for p in of_kind(render_spec(spec_of(replicas=1)), "Pod")}
     head = next(p for p in pods.values() if p["metadata"]["labels"][naming.LABEL_HEAD] == "true")

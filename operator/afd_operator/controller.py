@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Optional
 
-from .api import AFDDeploymentSpec
+from .api import AFDDeploymentSpec, UpdateStrategySpec
 from .observe import ObservedPod
 from .planner import attention_layout, ffn_layout
 from .validation import resolve_int_or_percent
@@ -280,6 +280,11 @@ class _Planner:
             act.append(Action("create_pods", view.name, view.revision, view.index, role="attention"))
 
 
+def _old_instances_kept(us: UpdateStrategySpec, old_count: int) -> int:
+    """Old-revision instances a rollout keeps: the partition (RollingUpdate), none (Recreate)."""
+    return min(us.partition, old_count) if us.type == "RollingUpdate" else 0
+
+
 def _pick(views: list[InstanceView], count: int) -> list[InstanceView]:
     """Instances to remove first: those that stay down, not Ready ones, then the highest index."""
     return sorted(views, key=lambda v: (not v.exhausted, v.record.phase == READY, -v.index))[:max(count, 0)]
@@ -347,10 +352,9 @@ def decide(
             old.remove(v)
         # 3. Exhausted old instances are dropped too (the new revision replaces them).
         old_ready = sorted(old, key=lambda v: v.index)
-        keep_old = min(us.partition, len(old_ready)) if us.type == "RollingUpdate" else 0
-        kept = old_ready[:keep_old]
+        kept = old_ready[:_old_instances_kept(us, len(old_ready))]
         excess_old = [v for v in old_ready if v not in kept]
-        want_current = max(replicas - keep_old, 0)
+        want_current = max(replicas - len(kept), 0)
 
         # 4. Scale down the current revision: instances that stay down first, then not
         #    Ready ones, then the highest index.
@@ -424,9 +428,8 @@ def decide(
     # the rollout says why it is stuck instead of waiting silently.
     unschedulable = [v for v in current if v.record.phase == FAILED
                      and (v.record.last_failure or "").startswith("Unschedulable")]
-    d.rollout_in_progress = bool(old_remaining) or any(
-        v.record.phase != READY for v in current) or len(current) != (
-        max(replicas - min(us.partition, len(old_remaining)), 0) if us.type == "RollingUpdate" else replicas)
+    d.rollout_in_progress = bool(old_remaining) or any(v.record.phase != READY for v in current) or \
+        len(current) != max(replicas - _old_instances_kept(us, len(old_remaining)), 0)
     if paused_rollout:
         d.progress_reason, d.progress_message = "Paused", "updateStrategy.paused is set"
     elif unschedulable:

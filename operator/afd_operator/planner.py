@@ -194,6 +194,12 @@ def _common_env(spec: AFDDeploymentSpec, role: Role) -> list[tuple[str, str]]:
     return env
 
 
+# The head's vLLM API server serves /metrics from a prometheus_client multiprocess directory
+# when this is set, so counters of its engine-core and worker processes (the plugin's afd_*
+# metrics of each Attention rank) appear there beside vLLM's own. An emptyDir: fresh per pod.
+PROMETHEUS_MULTIPROC_DIR = "/var/run/afd-prometheus"
+
+
 def _attention_pod(
     spec: AFDDeploymentSpec, plan_name: str, revision: str, index: int, ordinal: int,
     layout: RoleLayout, head_host: str, ports: InstancePorts,
@@ -226,7 +232,9 @@ def _attention_pod(
         name=naming.pod_name(plan_name, revision, index, "attention", ordinal),
         rank_start=rank_start, ranks=ranks, world_rank_start=rank_start, head=head,
         dp_start_rank=dp_start, dp_local=dp_local, command=tuple(command),
-        env=tuple(_common_env(spec, "attention")), ports=tuple(pod_ports), afd_config=block,
+        env=tuple(_common_env(spec, "attention") + ([("PROMETHEUS_MULTIPROC_DIR", PROMETHEUS_MULTIPROC_DIR)]
+                                                    if head else [])),
+        ports=tuple(pod_ports), afd_config=block,
     )
 
 

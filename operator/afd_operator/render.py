@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from . import naming
 from .api import API_VERSION, KIND, AFDDeploymentSpec, EnvVar, PodTemplateOverrides
-from .planner import RUNTIME_CONFIG_DIR, InstancePlan, Plan, PodPlan, uses_host_network
+from .planner import PROMETHEUS_MULTIPROC_DIR, RUNTIME_CONFIG_DIR, InstancePlan, Plan, PodPlan, uses_host_network
 from .revision import shaping_spec
 from .validation import resolve_int_or_percent
 
@@ -98,7 +98,8 @@ def _resources(spec: AFDDeploymentSpec, pod: PodPlan, overrides: PodTemplateOver
     return out
 
 
-def _volumes(spec: AFDDeploymentSpec, revision_cm: str, overrides: PodTemplateOverrides) -> tuple[list[Obj], list[Obj]]:
+def _volumes(spec: AFDDeploymentSpec, pod: PodPlan, revision_cm: str,
+             overrides: PodTemplateOverrides) -> tuple[list[Obj], list[Obj]]:
     shm: Obj = {"medium": "Memory"}
     if spec.platform == "ascend":
         shm["sizeLimit"] = spec.ascend.shm_size
@@ -110,6 +111,9 @@ def _volumes(spec: AFDDeploymentSpec, revision_cm: str, overrides: PodTemplateOv
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "afd-runtime", "mountPath": RUNTIME_CONFIG_DIR, "readOnly": True},
     ]
+    if pod.head:
+        volumes.append({"name": "prometheus-multiproc", "emptyDir": {}})
+        mounts.append({"name": "prometheus-multiproc", "mountPath": PROMETHEUS_MULTIPROC_DIR})
     vol = spec.model.volume
     if vol is not None:
         source = (
@@ -185,7 +189,7 @@ def render_pod(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, pod:
     annotations = dict(overrides.annotations)
     if spec.scheduling.gang.provider == "volcano":
         annotations["scheduling.k8s.io/group-name"] = instance.name
-    volumes, mounts = _volumes(spec, naming.runtime_configmap_name(plan.name, plan.revision), overrides)
+    volumes, mounts = _volumes(spec, pod, naming.runtime_configmap_name(plan.name, plan.revision), overrides)
     ports = []
     for port_name, number in pod.ports:
         entry: Obj = {"name": port_name, "containerPort": number, "protocol": "TCP"}

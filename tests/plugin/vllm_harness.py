@@ -194,19 +194,23 @@ SERVE_ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len",
 
 def start_vllm_serve(model: Path, api_port: int, logdir: Path, name: str, *, block: dict | None = None,
                      data_parallel: int = 1) -> Proc:
-    """`vllm serve` (the real console script) on 127.0.0.1:api_port, data-parallel flags as the
-    operator renders them; `block` is the afd config (None: plain vLLM)."""
+    """`vllm serve` (the real console script) on 127.0.0.1:api_port, data-parallel flags and the
+    head's metrics directory as the operator renders them; `block` is the afd config (None: plain vLLM)."""
     argv = [vllm_console_script(), "serve", str(model), "--host", "127.0.0.1", "--port", str(api_port),
             *SERVE_ENGINE_ARGS, "--data-parallel-size", str(data_parallel),
             "--data-parallel-size-local", str(data_parallel), "--data-parallel-address", "127.0.0.1",
             "--data-parallel-rpc-port", str(free_port())]
     if block is not None:
         argv += ["--additional-config", json.dumps(block)]
-    return Proc(argv, logdir / f"{name}.log", base_env())
+    metrics_dir = logdir / f"{name}-prometheus"
+    metrics_dir.mkdir()
+    return Proc(argv, logdir / f"{name}.log", base_env(PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)))
 
 
-def start_ffn_servers(model: Path, block: dict, logdir: Path, count: int = 2, tag: str = "ffn") -> list[tuple[Proc, int]]:
-    """`count` FFN server processes with one FFN rank each, command lines as the operator renders them."""
+def start_ffn_servers(model: Path, block: dict, logdir: Path, count: int = 2, tag: str = "ffn",
+                      extra_args: tuple[str, ...] = ()) -> list[tuple[Proc, int]]:
+    """`count` FFN server processes with one FFN rank each, command lines as the operator renders
+    them (plus `extra_args`)."""
     servers = []
     ffn_block = {"afd": {**block["afd"], "role": "ffn"}}
     for index in range(count):
@@ -214,7 +218,7 @@ def start_ffn_servers(model: Path, block: dict, logdir: Path, count: int = 2, ta
         argv = [vllm_python(), "-m", "afd_shared_experts.ffn_server", "--model", str(model),
                 "--ffn-rank-start", str(index), "--ffn-local-ranks", "1", "--health-port", str(health),
                 "--max-num-batched-tokens", "512", "--dtype", "float32", "--max-model-len", "512",
-                "--additional-config", json.dumps(ffn_block), "--bind-host", "127.0.0.1"]
+                "--additional-config", json.dumps(ffn_block), "--bind-host", "127.0.0.1", *extra_args]
         servers.append((Proc(argv, logdir / f"{tag}-{index}.log", base_env()), health))
     return servers
 
