@@ -224,7 +224,9 @@ def _attention_pod(
     else:
         command += ["--headless", "--data-parallel-start-rank", str(dp_start)]
     command += _model_args(spec)
-    command += ["--additional-config", _additional_config(block)]
+    # The plugin's load format: vLLM's loader without reading any routed-expert weight from
+    # disk (docs/plugin.md). Before engineArgs, so a user's --load-format wins.
+    command += ["--load-format", "afd", "--additional-config", _additional_config(block)]
     command += list(att.engine_args)
     pod_ports = [("api", ports.api), ("dp-rpc", ports.dp_rpc), ("connector", ports.connector)] if head else []
     return PodPlan(

@@ -9,6 +9,7 @@ Without an ``afd`` block they are the upstream classes unchanged.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -18,6 +19,8 @@ from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
 from .model import tensor_bytes
 from .vllm_experts import AFDFusedMoE, remote_experts_installed
 from .vllm_plugin import afd_config_of
+
+logger = logging.getLogger(__name__)
 
 ROUTED_EXPERTS = ".mlp.experts."
 # Module names of the shared expert in each supported MoE block (DeepSeek, Qwen2-MoE).
@@ -38,16 +41,29 @@ class _AFDModelMixin:
                         if getattr(mlp, name, None) is not None:
                             setattr(mlp, name, None)
 
+    def _afd_local_only(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        for name, tensor in weights:
+            if self._afd_skipped(name):
+                self.remote_tensors_read += 1
+            else:
+                yield name, tensor
+
     def _afd_skipped(self, name: str) -> bool:
         if ROUTED_EXPERTS in name:
             return True
         return self.afd_placement == "ffn" and any(f".mlp.{module}." in name for module in SHARED_MODULES)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # Remote tensors read from disk anyway (vLLM's default loader reads every tensor; the
+        # ``afd`` load format skips routed-expert weights before reading them).
+        self.remote_tensors_read = 0
         if self.afd_placement is not None:
             # Remote tensors are never copied into this process: the FFN servers load them.
-            weights = ((name, w) for name, w in weights if not self._afd_skipped(name))
+            weights = self._afd_local_only(weights)
         loaded = super().load_weights(weights)
+        if self.remote_tensors_read:
+            logger.info("afd: dropped %d remote-expert tensors the loader had read from disk (--load-format afd "
+                        "skips routed-expert weights before reading them)", self.remote_tensors_read)
         # Measured now: vLLM's CPU backend later repacks linear weights outside nn.Parameters.
         self.loaded_parameter_bytes = tensor_bytes(*self.parameters())
         return loaded
@@ -69,3 +85,8 @@ def model_parameter_bytes(model: torch.nn.Module) -> int:
     """Parameter bytes of the live model as loaded (see ``load_weights``). Module-level so
     ``LLM.apply_model`` can ship it to the workers by reference."""
     return model.loaded_parameter_bytes
+
+
+def model_remote_tensors_read(model: torch.nn.Module) -> int:
+    """Remote-expert tensors the loader read from disk before the wrapper dropped them."""
+    return model.remote_tensors_read

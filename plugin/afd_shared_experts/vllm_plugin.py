@@ -4,7 +4,8 @@ vLLM calls ``register()`` in every process (argument parsing, engine core, each 
 *before* any ``--additional-config`` is known, so registration cannot look at the ``afd``
 block. What it registers is inert without one: the model wrappers (``ModelRegistry``) check
 ``vllm_config.additional_config`` when they are built and are the upstream classes without an
-``afd`` block. The experts layer is not registered here: a wrapper installs it only while it
+``afd`` block; the load format ``afd`` (``vllm_loader``) is only used when asked for with
+``--load-format afd``. The experts layer is not registered here: a wrapper installs it only while it
 builds an AFD model (``vllm_experts.remote_experts_installed``), so the platform plugin's own
 ``FusedMoE`` registration (vllm-ascend's) never collides with this plugin. See docs/compat.md.
 """
@@ -67,12 +68,16 @@ _registered = False
 
 
 def register() -> None:
-    """Idempotent: registers the AFD model wrappers once per process."""
+    """Idempotent: registers the AFD model wrappers and the ``afd`` load format once per process."""
     global _registered
     if _registered:
         return
     from vllm import ModelRegistry
+    from vllm.model_executor.model_loader import register_model_loader
+
+    from .vllm_loader import LOAD_FORMAT, AFDAttentionModelLoader
 
     for arch, target in MODEL_WRAPPERS.items():
         ModelRegistry.register_model(arch, target)
+    register_model_loader(LOAD_FORMAT)(AFDAttentionModelLoader)
     _registered = True

@@ -49,7 +49,8 @@ def runs(tmp_path_factory):
         results[model_type, "plain"] = run_driver(request, root, "plain")
         for placement in ("ffn", "attention"):
             block = afd_block("attention", port=free_port(), placement=placement)
-            results[model_type, placement] = afd_run(model, request, block, root, placement)
+            # The load format the operator renders for Attention engines.
+            results[model_type, placement] = afd_run(model, {**request, "load_format": "afd"}, block, root, placement)
         results[model_type, "model"] = model
     return results
 
@@ -58,13 +59,19 @@ def runs(tmp_path_factory):
 def tensor_parallel_2(tmp_path_factory):
     """Attention TP 2 (two workers: Attention ranks 0 and 1, each dispatching its token shard)
     with placement 'ffn', and plain vLLM at TP 2: its reductions differ from TP 1's, so that is
-    the reference."""
+    the reference. vLLM's default load format here (a user's --load-format override)."""
     install_testbed_plugin()
     root = tmp_path_factory.mktemp("tp2")
     model = write_vllm_checkpoint(root / "model", "deepseek_v2")
     request = {"model": str(model), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "tensor_parallel_size": 2}
     block = afd_block("attention", port=free_port(), attention_ranks=2, tp=2)
-    return {"plain": run_driver(request, root, "plain-tp2"), "afd": afd_run(model, request, block, root, "tp2")}
+    return {"plain": run_driver(request, root, "plain-tp2"), "afd": afd_run(model, request, block, root, "tp2"),
+            "model": model}
+
+
+def expert_tensor_names(model_dir, module: str) -> list[str]:
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        return [name for name in f.keys() if f".mlp.{module}." in name]
 
 
 def shared_expert_bytes(model_dir) -> int:
@@ -123,3 +130,21 @@ def test_attention_tensor_parallel_2_with_placement_ffn_equals_plain_vllm(tensor
     assert afd["token_ids"] == plain["token_ids"]
     assert afd["experts_classes"] == [["AFDFusedMoE"], ["AFDFusedMoE"]]
     assert all("serving" in log for log in afd["ffn_logs"]), afd["ffn_logs"]
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_load_format_afd_reads_no_routed_expert_from_disk(runs, model_type):
+    # vLLM's loader skipped every routed-expert weight before reading it; under placement 'ffn'
+    # only the (small) shared-expert tensors were read and dropped by the wrapper.
+    spec = load_spec(runs[model_type, "model"])
+    shared_modules = (spec.shared_prefix, "shared_expert_gate") if spec.has_shared_gate else (spec.shared_prefix,)
+    shared = sum(len(expert_tensor_names(runs[model_type, "model"], m)) for m in shared_modules)
+    assert runs[model_type, "attention"]["remote_tensors_read"] == [0]
+    assert runs[model_type, "ffn"]["remote_tensors_read"] == [shared] and shared > 0
+
+
+def test_default_load_format_still_drops_remote_tensors(tensor_parallel_2):
+    # With vLLM's default loader every remote tensor is read (and dropped by name) on each worker.
+    model = tensor_parallel_2["model"]
+    remote = len(expert_tensor_names(model, "experts")) + len(expert_tensor_names(model, "shared_experts"))
+    assert tensor_parallel_2["afd"]["remote_tensors_read"] == [remote, remote]

@@ -33,6 +33,7 @@ def vllm_serve_args(command: list[str]) -> argparse.Namespace:
         p.add_argument(flag, type=int)
     p.add_argument("--data-parallel-address")
     p.add_argument("--headless", action="store_true")
+    p.add_argument("--load-format")
     p.add_argument("--additional-config", required=True)
     args, _ = p.parse_known_args(command[2:])
     return args
@@ -68,6 +69,8 @@ def test_rendered_pods_agree_with_plugin_parsing(example):
             else:
                 args = vllm_serve_args(command)
                 cfg = parse_afd_config(json.loads(args.additional_config))
+                # The plugin's loader (vllm_loader.LOAD_FORMAT): no routed expert read from disk.
+                assert args.load_format == "afd", shlex.join(command)
                 assert args.data_parallel_address == cfg.host, "the DP address and the connector host are the head"
                 start = args.data_parallel_start_rank if args.headless else 0
                 assert args.headless == (start != 0), shlex.join(command)

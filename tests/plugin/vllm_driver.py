@@ -2,10 +2,11 @@
 
 python vllm_driver.py REQUEST.json RESULT.json
 REQUEST: {"model", "prompts" (token ids), "max_tokens", "additional_config" (optional),
-          "tensor_parallel_size" (optional, default 1)}
+          "tensor_parallel_size" (optional, default 1), "load_format" (optional, default "auto")}
 RESULT: {"token_ids": [[...] per prompt], "generate_seconds", "parameter_bytes": [per worker],
          "experts_classes": [per worker: class names of the MoE layers' experts],
-         "fused_moe_registered": [per worker: the out-of-tree FusedMoE class in force after the build]}
+         "fused_moe_registered": [per worker: the out-of-tree FusedMoE class in force after the build],
+         "remote_tensors_read": [per worker: remote-expert tensors read from disk, AFD runs only]}
 """
 
 import json
@@ -29,13 +30,14 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from afd_shared_experts.vllm_models import model_parameter_bytes
+    from afd_shared_experts.vllm_models import model_parameter_bytes, model_remote_tensors_read
 
     request = json.loads(open(sys.argv[1]).read())
     kwargs = {"additional_config": request["additional_config"]} if request.get("additional_config") else {}
     llm = LLM(model=request["model"], dtype="float32", enforce_eager=True, max_model_len=512,
               max_num_batched_tokens=512, max_num_seqs=8, seed=0,
-              tensor_parallel_size=request.get("tensor_parallel_size", 1), **kwargs)
+              tensor_parallel_size=request.get("tensor_parallel_size", 1),
+              load_format=request.get("load_format", "auto"), **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     started = time.perf_counter()
@@ -45,6 +47,8 @@ def main() -> None:
               "parameter_bytes": llm.apply_model(model_parameter_bytes),
               "experts_classes": llm.apply_model(experts_classes),
               "fused_moe_registered": llm.apply_model(fused_moe_registered)}
+    if kwargs:
+        result["remote_tensors_read"] = llm.apply_model(model_remote_tensors_read)
     with open(sys.argv[2], "w") as handle:
         json.dump(result, handle)
 

@@ -201,7 +201,7 @@ def start_vllm_serve(model: Path, api_port: int, logdir: Path, name: str, *, blo
             "--data-parallel-size-local", str(data_parallel), "--data-parallel-address", "127.0.0.1",
             "--data-parallel-rpc-port", str(free_port())]
     if block is not None:
-        argv += ["--additional-config", json.dumps(block)]
+        argv += ["--load-format", "afd", "--additional-config", json.dumps(block)]
     metrics_dir = logdir / f"{name}-prometheus"
     metrics_dir.mkdir()
     return Proc(argv, logdir / f"{name}.log", base_env(PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)))
