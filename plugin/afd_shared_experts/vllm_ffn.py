@@ -34,6 +34,7 @@ SHARED_MLP_PACKED_MODULES = {"gate_up_proj": ["gate_proj", "up_proj"]}
 # server (one runtime thread each) take turns in vLLM code.
 _VLLM_COMPUTE_LOCK = threading.Lock()
 _process_initialized = False
+_rendezvous_dir: tempfile.TemporaryDirectory | None = None
 
 
 def load_platform_plugins() -> None:
@@ -78,8 +79,10 @@ def init_vllm_process(vllm_config) -> None:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.platforms import current_platform
 
-    # A file rendezvous: a world of one needs no port.
-    rendezvous = Path(tempfile.mkdtemp(prefix="afd-ffn-vllm-")) / "init"
+    # A file rendezvous: a world of one needs no port. Removed when the process exits.
+    global _rendezvous_dir
+    _rendezvous_dir = tempfile.TemporaryDirectory(prefix="afd-ffn-vllm-")
+    rendezvous = Path(_rendezvous_dir.name) / "init"
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{rendezvous}",
                                      local_rank=0, backend=current_platform.dist_backend)
