@@ -151,7 +151,7 @@ class AFDFusedMoE(FusedMoE):
             # Built (uninitialized) by the upstream MoE block before this layer: release its
             # storage now, before the next layer is built; the model wrapper drops the module.
             shared_experts.to_empty(device="meta")
-        self.select_experts = platform_expert_selection(top_k, num_experts, kwargs)
+        self.expert_selection = platform_expert_selection(top_k, num_experts, kwargs)
         self.rank = rank
         self.remote = RemoteMoE(
             spec=rank.spec, layer=layer, connector=rank.connector, num_ffn_ranks=cfg.num_ffn_ranks,
@@ -164,7 +164,7 @@ class AFDFusedMoE(FusedMoE):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor,
                 input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        topk_weights, topk_ids = self.select_experts(hidden_states, router_logits)
+        topk_weights, topk_ids = self.expert_selection(hidden_states, router_logits)
         rank = self.rank
         if rank.tp_size == 1:
             # Idle DP steps arrive here too (dummy rows): they are dispatched like any other
