@@ -180,12 +180,9 @@ class AFDFusedMoE(FusedMoE):
 
 
 @contextmanager
-def remote_experts_installed(vllm_config) -> Iterator[None]:
+def remote_experts_installed() -> Iterator[None]:
     """While an AFD model is built, ``FusedMoE(...)`` builds ``AFDFusedMoE``; the out-of-tree
-    entry in force before (if any) is back afterwards. A no-op without an afd block."""
-    if afd_config_of(vllm_config) is None:
-        yield
-        return
+    entry in force before (if any) is back afterwards."""
     previous = op_registry_oot.get("FusedMoE")
     op_registry_oot["FusedMoE"] = AFDFusedMoE
     try:

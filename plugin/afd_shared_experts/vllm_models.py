@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from contextlib import nullcontext
 
 import torch
 from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
@@ -29,9 +30,9 @@ SHARED_MODULES = ("shared_experts", "shared_expert", "shared_expert_gate")
 
 class _AFDModelMixin:
     def __init__(self, *, vllm_config, prefix: str = ""):
-        with remote_experts_installed(vllm_config):
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
         cfg = afd_config_of(vllm_config)
+        with remote_experts_installed() if cfg is not None else nullcontext():
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.afd_placement = None if cfg is None else cfg.shared_experts.placement
         if self.afd_placement == "ffn":
             for layer in self.model.layers:
