@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from afd_operator.devcluster import free_port
 from afd_shared_experts.model import DTYPES
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "qwen2_moe")
@@ -180,7 +181,6 @@ class ThreadWorld:
         from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
         from afd_shared_experts.metrics import RuntimeMetrics
         from afd_shared_experts.model import load_attention_weights, load_ffn_weights, load_spec
-        from afd_shared_experts.selfcheck import free_port
 
         self.spec = spec = load_spec(model_dir)
         self.attention_ranks, self.ffn_ranks, self.dtype = attention_ranks, ffn_ranks, dtype

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from afd_operator.devcluster import free_port
 from afd_shared_experts.attention import AttentionMoELayer, RemoteMoE
 from afd_shared_experts.compute import route
 from afd_shared_experts.connector import P2PConnector
@@ -21,7 +22,7 @@ from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
 from afd_shared_experts.metrics import ProbeServer
 from afd_shared_experts.model import (CheckpointReader, load_attention_weights, load_ffn_weights, load_spec,
                                       tensor_bytes)
-from afd_shared_experts.selfcheck import RunSpec, free_port, run_ffn_rank
+from afd_shared_experts.selfcheck import RunSpec, run_ffn_rank
 from afd_shared_experts.tp import all_gather_and_trim, shard_tokens
 from plugin_harness import (DelayedCompletionTransport, ThreadWorld, assert_matches_oracle,
                             attention_rank_that_idles, oracle_outputs, rss_bytes, run_threads)

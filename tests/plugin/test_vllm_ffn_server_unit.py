@@ -9,6 +9,7 @@ import urllib.request
 
 import pytest
 
+from afd_operator.devcluster import free_port
 from afd_shared_experts import device, ffn_server
 from afd_shared_experts.errors import DeviceUnavailableError
 
@@ -57,18 +58,19 @@ def test_npu_with_torch_npu_but_no_cann(monkeypatch, tmp_path):
         device.resolve_device("npu")
 
 
-def test_server_is_healthy_not_ready_until_connected_and_exits_0_on_sigterm(checkpoints, unused_port):
+def test_server_is_healthy_not_ready_until_connected_and_exits_0_on_sigterm(checkpoints):
     """Weights load, but no Attention rank ever comes: /health 200, /ready 503; SIGTERM -> 0."""
-    block = {"afd": {**FFN_BLOCK["afd"], "port": unused_port}}
+    block = {"afd": {**FFN_BLOCK["afd"], "port": free_port()}}
+    health_port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "afd_shared_experts.ffn_server",
                              *argv(block, **{"--model": str(checkpoints["deepseek_v2"]),
-                                             "--health-port": str(unused_port + 1)})],
+                                             "--health-port": str(health_port)})],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
         while True:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{unused_port + 1}/health", timeout=2) as r:
+                with urllib.request.urlopen(f"http://127.0.0.1:{health_port}/health", timeout=2) as r:
                     assert r.status == 200
                     break
             except OSError:
@@ -76,7 +78,7 @@ def test_server_is_healthy_not_ready_until_connected_and_exits_0_on_sigterm(chec
                 time.sleep(0.2)
         time.sleep(2)
         with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(f"http://127.0.0.1:{unused_port + 1}/ready", timeout=2)
+            urllib.request.urlopen(f"http://127.0.0.1:{health_port}/ready", timeout=2)
         assert err.value.code == 503
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
@@ -84,17 +86,3 @@ def test_server_is_healthy_not_ready_until_connected_and_exits_0_on_sigterm(chec
     finally:
         if proc.poll() is None:
             proc.kill()
-
-
-@pytest.fixture
-def unused_port():
-    import socket
-
-    with socket.socket() as a, socket.socket() as b:
-        a.bind(("127.0.0.1", 0))
-        port = a.getsockname()[1]
-        try:
-            b.bind(("127.0.0.1", port + 1))
-        except OSError:
-            pytest.fail("no consecutive free ports")
-        return port

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from afd_operator.devcluster import free_port
 from plugin_harness import write_checkpoint
 
 HERE = Path(__file__).resolve().parent
@@ -136,12 +136,6 @@ def _write_tokenizer(directory: Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>",
         "model_max_length": 512}))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def afd_block(role: str, *, port: int, attention_ranks: int = 1, ffn_ranks: int = 2, placement: str = "ffn",

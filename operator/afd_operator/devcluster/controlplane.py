@@ -14,7 +14,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import yaml
+
+from afd_operator.devcluster.ports import free_port
 
 ADMIN_USER = "afd-admin"
 OPERATOR_USER = "afd-operator"
@@ -48,12 +49,6 @@ _AUDIT_POLICY = {
         {"level": "Metadata"},
     ],
 }
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kube_apiserver_binary() -> str:

@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from .controlplane import free_port
+from .ports import free_port
 
 READY_TIMEOUT_SECONDS = 60
 
