@@ -2,7 +2,7 @@
 
 python -m afd_shared_experts.selfcheck --model DIR --inputs IN.safetensors --out OUT.safetensors
     --attention-ranks A --ffn-ranks F [--placement ffn|attention] [--partition affinity|contiguous]
-    [--dtype float32|bfloat16|float16] [--steps K] [--report REPORT.json]
+    [--dtype float32|bfloat16|float16] [--steps K] [--report REPORT.json] [--port P]
 
 OUT holds ``layer.{l}`` [T, H] float32 for each MoE layer l: the layer's MoE output in model
 units (under float16 the runtime keeps vLLM's 1/r-scaled residual convention; the tool
@@ -146,6 +146,8 @@ def validate_run(run: RunSpec, hidden_states: torch.Tensor):
     for name, value in (("--attention-ranks", run.attention_ranks), ("--ffn-ranks", run.ffn_ranks), ("--steps", run.steps)):
         if value < 1:
             raise SelfCheckError(f"{name} must be >= 1 (got {value})")
+    if not 0 <= run.port <= 65535:
+        raise SelfCheckError(f"--port must be 0 (pick a free one) or 1-65535 (got {run.port})")
     AFDConfig(role="attention", num_attention_ranks=run.attention_ranks,
               num_ffn_ranks=run.ffn_ranks).validate_for_model(spec.num_routed_experts, field_path="--ffn-ranks")
     if hidden_states.dim() != 2 or hidden_states.shape[1] != spec.hidden_size:
@@ -273,13 +275,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--report", help="JSON report path")
+    parser.add_argument("--port", type=int, default=0,
+                        help="loopback rendezvous port (default 0: a free one, picked when the run starts)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run = RunSpec(model_dir=args.model, attention_ranks=args.attention_ranks, ffn_ranks=args.ffn_ranks,
-                  placement=args.placement, partition=args.partition, dtype=args.dtype, steps=args.steps)
+                  placement=args.placement, partition=args.partition, dtype=args.dtype, steps=args.steps, port=args.port)
     try:
         hidden_states = _read_inputs(args.inputs)
         result = run_topology(run, hidden_states)

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from afd_operator.devcluster import free_port
 from afd_shared_experts.model import load_spec
 from plugin_harness import assert_matches_oracle, oracle_outputs
 
@@ -35,7 +36,8 @@ def run_selfcheck(tmp_path, model_dir, tokens, *args):
     tag = f"AFD_SELFCHECK_TEST_{uuid.uuid4().hex}"
     env = {**os.environ, tag: "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "afd_shared_experts.selfcheck", "--model", str(model_dir),
-                           "--inputs", str(inputs), "--out", str(out), "--report", str(report), *args],
+                           "--inputs", str(inputs), "--out", str(out), "--report", str(report),
+                           "--port", str(free_port()), *args],
                           capture_output=True, text=True, timeout=300, env=env)
     assert processes_with_tag(tag) == [], "selfcheck left a rank process behind"
     return proc, x, out, report
@@ -80,6 +82,13 @@ def test_selfcheck_fails_cleanly_on_bad_topology(tmp_path, checkpoints):
     proc, *_ = run_selfcheck(tmp_path, checkpoints["deepseek_v2"], 5, "--attention-ranks", "1", "--ffn-ranks", "3")
     assert proc.returncode == 1
     assert "--ffn-ranks: must divide the model's 8 routed experts evenly" in proc.stderr
+
+
+def test_selfcheck_names_a_bad_port(tmp_path, checkpoints):
+    proc, *_ = run_selfcheck(tmp_path, checkpoints["deepseek_v2"], 5, "--attention-ranks", "1", "--ffn-ranks", "2",
+                             "--port", "70000")
+    assert proc.returncode == 1
+    assert "--port must be 0 (pick a free one) or 1-65535 (got 70000)" in proc.stderr
 
 
 def test_selfcheck_fails_cleanly_when_a_rank_fails(tmp_path, checkpoints):
