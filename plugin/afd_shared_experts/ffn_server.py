@@ -126,16 +126,6 @@ def check_supported(args: argparse.Namespace) -> str:
     return backend
 
 
-def require_unquantized_checkpoint(model_dir: str) -> None:
-    """The torch backend reads weights as plain tensors: a quantized checkpoint would be served wrong."""
-    with open(os.path.join(model_dir, "config.json")) as handle:
-        declared = json.load(handle).get("quantization_config")
-    if declared:
-        method = declared.get("quant_method", "?") if isinstance(declared, dict) else "?"
-        raise CheckpointError(f"{model_dir}: the checkpoint is quantized (quantization_config.quant_method "
-                              f"{method!r}) but --expert-backend torch is unquantized only; use --expert-backend vllm")
-
-
 def resolve_dtype(name: str, model_dir: str) -> torch.dtype:
     if name != "auto":
         return DTYPES[name]
@@ -206,7 +196,6 @@ class FFNServer:
 
             return build_vllm_experts(args.model, spec, placement, ffn_index, cfg.num_ffn_ranks, dtype,
                                       args.quantization, args.max_model_len, args.max_num_batched_tokens, device)
-        require_unquantized_checkpoint(args.model)
         return torch_experts(load_ffn_weights(args.model, spec, placement, ffn_index, cfg.num_ffn_ranks, dtype))
 
     def _connect(self, world_rank: int, hidden: int, local_experts: int, dtype: torch.dtype, device: str):

@@ -10,7 +10,7 @@ Qwen2-MoE checkpoints (and vLLM's loader):
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -43,6 +43,7 @@ class MoESpec:
     routed_scaling_factor: float
     has_shared_gate: bool
     moe_layers: tuple[int, ...]
+    quant_method: str | None = None  # config.json's quantization_config.quant_method
 
     @property
     def shared_prefix(self) -> str:
@@ -128,6 +129,10 @@ def load_spec(model_dir: str | Path) -> MoESpec:
             raise CheckpointError(f"{path}: n_group must divide the routed experts and topk_group must be in [1, n_group]")
     if not moe_layers:
         raise CheckpointError(f"{path}: the model has no MoE layer")
+    quantization = cfg.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        spec = replace(spec, quant_method=str(method or "unknown"))
     return spec
 
 
@@ -248,9 +253,25 @@ class FFNMoEWeights:
         return tensor_bytes(self.routed.gate_up, self.routed.down, *shared)
 
 
+def require_unquantized(model_dir: str | Path, spec: MoESpec) -> None:
+    """These loaders cast stored tensors to the model dtype: quantized weights would be served wrong."""
+    if spec.quant_method is not None:
+        raise CheckpointError(f"{model_dir}: the checkpoint is quantized (quantization_config.quant_method "
+                              f"{spec.quant_method!r}) but the torch expert path reads unquantized weights only; "
+                              "use --expert-backend vllm (FFN server)")
+
+
+def require_even_split(model_dir: str | Path, spec: MoESpec, num_ffn_ranks: int) -> None:
+    if spec.num_routed_experts % num_ffn_ranks:
+        raise CheckpointError(
+            f"{model_dir}: {spec.num_routed_experts} routed experts do not split evenly over {num_ffn_ranks} FFN ranks"
+        )
+
+
 def load_attention_weights(
     model_dir: str | Path, spec: MoESpec, placement: str, dtype: torch.dtype
 ) -> dict[int, AttentionMoEWeights]:
+    require_unquantized(model_dir, spec)
     reader = CheckpointReader(model_dir)
     return {
         layer: AttentionMoEWeights(
@@ -264,10 +285,8 @@ def load_attention_weights(
 def load_ffn_weights(
     model_dir: str | Path, spec: MoESpec, placement: str, ffn_index: int, num_ffn_ranks: int, dtype: torch.dtype
 ) -> dict[int, FFNMoEWeights]:
-    if spec.num_routed_experts % num_ffn_ranks:
-        raise CheckpointError(
-            f"{model_dir}: {spec.num_routed_experts} routed experts do not split evenly over {num_ffn_ranks} FFN ranks"
-        )
+    require_unquantized(model_dir, spec)
+    require_even_split(model_dir, spec, num_ffn_ranks)
     reader = CheckpointReader(model_dir)
     return {
         layer: FFNMoEWeights(

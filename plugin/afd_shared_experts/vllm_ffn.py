@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .model import CheckpointError, CheckpointReader, MoESpec
+from .model import CheckpointError, CheckpointReader, MoESpec, require_even_split
 
 # (parameter, checkpoint projection, shard) of the merged gate_up projection, as in
 # vLLM's deepseek_v2.py / qwen2_moe.py load_weights.
@@ -72,7 +72,7 @@ def engine_config(model_dir: str | Path, dtype: torch.dtype, quantization: str |
 def init_vllm_process(vllm_config) -> None:
     """Once per process: vLLM's distributed environment of world size 1 and its model
     parallel groups (FusedMoE reads its TP/DP/EP sizes from them)."""
-    global _process_initialized
+    global _process_initialized, _rendezvous_dir
     if _process_initialized:
         return
     from vllm.config import set_current_vllm_config
@@ -80,7 +80,6 @@ def init_vllm_process(vllm_config) -> None:
     from vllm.platforms import current_platform
 
     # A file rendezvous: a world of one needs no port. Removed when the process exits.
-    global _rendezvous_dir
     _rendezvous_dir = tempfile.TemporaryDirectory(prefix="afd-ffn-vllm-")
     rendezvous = Path(_rendezvous_dir.name) / "init"
     with set_current_vllm_config(vllm_config):
@@ -235,9 +234,7 @@ def build_vllm_experts(model_dir: str | Path, spec: MoESpec, placement: str, ffn
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    if spec.num_routed_experts % num_ffn_ranks:
-        raise CheckpointError(f"{model_dir}: {spec.num_routed_experts} routed experts do not split evenly over "
-                              f"{num_ffn_ranks} FFN ranks")
+    require_even_split(model_dir, spec, num_ffn_ranks)
     # One VllmConfig per rank: vLLM registers each layer under its prefix in the config, and
     # the ranks of one server hold the same layers.
     vllm_config = engine_config(model_dir, dtype, quantization, max_model_len, max_num_batched_tokens)

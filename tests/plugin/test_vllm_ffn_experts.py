@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from afd_shared_experts import ffn_server
 from afd_shared_experts.compute import swiglu
 from afd_shared_experts.ffn_runtime import torch_experts
-from afd_shared_experts.model import CheckpointError, load_ffn_weights, load_spec
+from afd_shared_experts.model import CheckpointError, load_attention_weights, load_ffn_weights, load_spec
 from plugin_harness import MODEL_TYPES, TOLERANCE, relative_error, write_checkpoint
 from vllm_harness import REPO_ROOT, base_env, vllm_python
 
@@ -202,9 +202,14 @@ def test_torch_backend_refuses_quantization(tmp_path):
 
 
 def test_torch_backend_refuses_a_quantized_checkpoint(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
-    with pytest.raises(CheckpointError, match="quantized .*'fp8'.* use --expert-backend vllm"):
-        ffn_server.require_unquantized_checkpoint(str(tmp_path))
+    write_fp8_block_checkpoint(tmp_path, quantize_shared=True)
+    spec = load_spec(tmp_path)
+    assert spec.quant_method == "fp8"
+    for placement in ("ffn", "attention"):
+        with pytest.raises(CheckpointError, match="quantized .*'fp8'.* use --expert-backend vllm"):
+            load_ffn_weights(tmp_path, spec, placement, 0, 2, torch.float32)
+        with pytest.raises(CheckpointError, match="quantized .*'fp8'.* use --expert-backend vllm"):
+            load_attention_weights(tmp_path, spec, placement, torch.float32)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="needs a Python without vLLM")
