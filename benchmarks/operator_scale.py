@@ -24,8 +24,8 @@ from kubernetes import client, config
 from afd_operator import naming
 from afd_operator.api import GROUP, PLURAL, VERSION
 from afd_operator.crd import crd_yaml
-from afd_operator.devcluster import OPERATOR_USER, FakeKubelet, control_plane
-from afd_operator.devcluster.operator_process import OperatorProcess
+from afd_devcluster import OPERATOR_USER, FakeKubelet, control_plane
+from afd_devcluster.operator_process import OperatorProcess
 
 TIMEOUT_SECONDS = 600
 

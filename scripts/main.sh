@@ -36,4 +36,4 @@ echo "CRD -> $OUT_DIR/crd.yaml"
 
 echo
 echo "== live: operator + local control plane"
-"$VENV/bin/python" -m afd_operator.devcluster.demo --example examples/cpu-tiny.yaml
+"$VENV/bin/python" -m afd_devcluster.demo --example examples/cpu-tiny.yaml

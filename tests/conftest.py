@@ -7,7 +7,7 @@ from typing import Iterator
 
 import pytest
 
-from afd_operator.devcluster import ControlPlane, control_plane
+from afd_devcluster import ControlPlane, control_plane
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))

@@ -16,7 +16,7 @@ from afd_operator.crd import CRD_FILE, CRD_NAME
 from afd_operator.planner import plan
 from afd_operator.render import render
 from afd_operator.validation import validate_object
-from afd_operator.devcluster import ControlPlane
+from afd_devcluster import ControlPlane
 from k8s_helpers import DELETE, delete_afddeployments, set_path
 
 pytestmark = pytest.mark.apiserver

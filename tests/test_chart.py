@@ -22,8 +22,8 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from afd_operator import naming
-from afd_operator.devcluster import ControlPlane, FakeKubelet, free_port
-from afd_operator.devcluster.operator_process import OperatorProcess
+from afd_devcluster import ControlPlane, FakeKubelet, free_port
+from afd_devcluster.operator_process import OperatorProcess
 from afd_operator.metrics import OperatorMetrics
 from afd_shared_experts.metrics import RuntimeMetrics
 from k8s_helpers import Helm, service_account_kubeconfig, wait_for

@@ -14,7 +14,7 @@ import pytest
 from kubernetes import client, config
 
 from k8s_helpers import wait_for
-from afd_operator.devcluster import ADMIN_USER, OPERATOR_USER, ControlPlane, FakeKubelet
+from afd_devcluster import ADMIN_USER, OPERATOR_USER, ControlPlane, FakeKubelet
 
 pytestmark = pytest.mark.apiserver
 

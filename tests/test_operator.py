@@ -17,8 +17,8 @@ from kubernetes import client, watch
 
 from afd_operator import naming
 from afd_operator.api import GROUP, PLURAL, VERSION
-from afd_operator.devcluster import OPERATOR_USER, ControlPlane, FakeKubelet
-from afd_operator.devcluster.operator_process import OperatorProcess
+from afd_devcluster import OPERATOR_USER, ControlPlane, FakeKubelet
+from afd_devcluster.operator_process import OperatorProcess
 from k8s_helpers import delete_afddeployments, wait_for
 
 pytestmark = pytest.mark.apiserver

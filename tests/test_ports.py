@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from afd_operator.devcluster import ports
+from afd_devcluster import ports
 
 
 def test_ports_lie_outside_the_ephemeral_range_and_are_not_repeated():

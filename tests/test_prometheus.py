@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from afd_operator import naming
-from afd_operator.devcluster import ControlPlane, FakeKubelet, free_port
-from afd_operator.devcluster.operator_process import OperatorProcess
+from afd_devcluster import ControlPlane, FakeKubelet, free_port
+from afd_devcluster.operator_process import OperatorProcess
 from afd_shared_experts.metrics import ProbeServer, RuntimeMetrics
 from k8s_helpers import Helm, wait_for
 

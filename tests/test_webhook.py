@@ -9,9 +9,9 @@ from typing import Iterator
 import pytest
 import yaml
 
-from afd_operator.devcluster import ControlPlane, free_port
-from afd_operator.devcluster.certs import self_signed_certificate
-from afd_operator.devcluster.operator_process import OperatorProcess
+from afd_devcluster import ControlPlane, free_port
+from afd_devcluster.certs import self_signed_certificate
+from afd_devcluster.operator_process import OperatorProcess
 from k8s_helpers import delete_afddeployments, wait_for
 
 pytestmark = pytest.mark.apiserver

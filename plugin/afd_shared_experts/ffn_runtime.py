@@ -17,7 +17,7 @@ from .model import FFNMoEWeights
 
 class LayerExperts(Protocol):
     """One MoE layer's experts as an FFN rank computes them (torch here, vLLM kernels in
-    ``vllm_ffn``). Outputs are unweighted: the Attention side's combine applies the top-k
+    ``vllm.ffn``). Outputs are unweighted: the Attention side's combine applies the top-k
     weights and the routed scaling factor."""
 
     @property

@@ -4,7 +4,7 @@ Started with the same ``--model`` and ``--additional-config`` as the Attention e
 its FFN rank range. For each local FFN rank it loads only that rank's routed-expert shard
 (and, under placement 'ffn', the shared experts), joins the AFD world and serves work items
 with the core runtime. Expert math: vLLM's MoE layer, kernels and (quantized) weight loaders
-(``--expert-backend vllm``, ``vllm_ffn``) or plain torch (``torch``, unquantized only); no
+(``--expert-backend vllm``, ``vllm.ffn``) or plain torch (``torch``, unquantized only); no
 vLLM engine or scheduler is needed either way.
 
 Probes: /health (200 while the process runs), /ready (200 only once every local rank has
@@ -93,7 +93,7 @@ def resolve_expert_backend(name: str) -> str:
     """'vllm' or 'torch' for --expert-backend (imports vLLM when it may be used)."""
     if name == "torch":
         return "torch"
-    from .vllm_plugin import VLLMVersionError, require_supported_vllm
+    from .vllm.compat import VLLMVersionError, require_supported_vllm
 
     try:
         import vllm  # noqa: F401
@@ -117,7 +117,7 @@ def check_supported(args: argparse.Namespace) -> str:
     if backend == "torch":
         raise ArgumentError(f"--quantization: {args.quantization!r} is not supported by the torch expert backend "
                             "(unquantized only); use --expert-backend vllm or serve an unquantized checkpoint")
-    from .vllm_ffn import quantization_methods
+    from .vllm.ffn import quantization_methods
 
     known = quantization_methods()
     if args.quantization not in known:
@@ -192,7 +192,7 @@ class FFNServer:
         args, cfg = self.args, self.cfg
         placement = cfg.shared_experts.placement
         if self.expert_backend == "vllm":
-            from .vllm_ffn import build_vllm_experts
+            from .vllm.ffn import build_vllm_experts
 
             return build_vllm_experts(args.model, spec, placement, ffn_index, cfg.num_ffn_ranks, dtype,
                                       args.quantization, args.max_model_len, args.max_num_batched_tokens, device)

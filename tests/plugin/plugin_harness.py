@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from afd_operator.devcluster import free_port
+from afd_devcluster import free_port
 from afd_shared_experts.model import DTYPES
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "qwen2_moe")

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from afd_operator.devcluster import free_port
+from afd_devcluster import free_port
 from afd_shared_experts.attention import AttentionMoELayer, RemoteMoE
 from afd_shared_experts.compute import route
 from afd_shared_experts.connector import P2PConnector

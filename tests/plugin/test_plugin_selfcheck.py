@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from afd_operator.devcluster import free_port
+from afd_devcluster import free_port
 from afd_shared_experts.model import load_spec
 from plugin_harness import assert_matches_oracle, oracle_outputs
 

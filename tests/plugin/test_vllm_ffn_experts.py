@@ -1,4 +1,4 @@
-"""The FFN server's vLLM expert backend (vllm_ffn) against the torch backend, quantized
+"""The FFN server's vLLM expert backend (vllm.ffn) against the torch backend, quantized
 checkpoints through vLLM's loaders, and the --expert-backend / --quantization rules.
 
 vLLM runs in one subprocess of $AFD_VLLM_PYTHON (vllm_ffn_experts_driver.py) for every case;

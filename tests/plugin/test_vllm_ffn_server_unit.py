@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from afd_operator.devcluster import free_port
+from afd_devcluster import free_port
 from afd_shared_experts import device, ffn_server
 from afd_shared_experts.errors import DeviceUnavailableError
 

@@ -69,7 +69,7 @@ def test_rendered_pods_agree_with_plugin_parsing(example):
             else:
                 args = vllm_serve_args(command)
                 cfg = parse_afd_config(json.loads(args.additional_config))
-                # The plugin's loader (vllm_loader.LOAD_FORMAT): no routed expert read from disk.
+                # The plugin's loader (vllm.loader.LOAD_FORMAT): no routed expert read from disk.
                 assert args.load_format == "afd", shlex.join(command)
                 assert args.data_parallel_address == cfg.host, "the DP address and the connector host are the head"
                 start = args.data_parallel_start_rank if args.headless else 0

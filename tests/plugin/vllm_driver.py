@@ -30,7 +30,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from afd_shared_experts.vllm_models import model_parameter_bytes, model_remote_tensors_read
+    from afd_shared_experts.vllm.models import model_parameter_bytes, model_remote_tensors_read
 
     request = json.loads(open(sys.argv[1]).read())
     kwargs = {"additional_config": request["additional_config"]} if request.get("additional_config") else {}

@@ -1,7 +1,7 @@
 """Runs under the vLLM venv for tests/plugin/test_vllm_ffn_experts.py (one process, one vLLM import).
 
 argv: request.json result.json. For each case it builds the FFN rank's experts with the vLLM
-backend (vllm_ffn.build_vllm_experts) and computes routed() and shared() on the given rows;
+backend (vllm.ffn.build_vllm_experts) and computes routed() and shared() on the given rows;
 outputs go to a safetensors file, build failures and layer classes to the JSON result. Each
 entry of "cli" runs the FFN server's main() and records its exit status and stderr.
 """
@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from afd_shared_experts import ffn_server
 from afd_shared_experts.model import CheckpointError, DTYPES, load_spec
-from afd_shared_experts.vllm_ffn import build_vllm_experts
+from afd_shared_experts.vllm.ffn import build_vllm_experts
 
 
 def run_case(case: dict, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from afd_operator.devcluster import free_port
+from afd_devcluster import free_port
 from plugin_harness import write_checkpoint
 
 HERE = Path(__file__).resolve().parent

@@ -15,7 +15,7 @@ from dataclasses import replace
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from .vllm_plugin import afd_config_of
+from .compat import afd_config_of
 
 LOAD_FORMAT = "afd"
 

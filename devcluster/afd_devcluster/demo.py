@@ -2,7 +2,7 @@
 converging, scaling, rolling to a new topology and tearing down. Everything is real except
 the kubelet, played by FakeKubelet (no container runtime here).
 
-Run: python -m afd_operator.devcluster.demo [--example FILE] [--workdir DIR]
+Run: python -m afd_devcluster.demo [--example FILE] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import yaml
 from kubernetes import config as kube_config
 
 from afd_operator.crd import crd_yaml
-from afd_operator.devcluster.controlplane import ControlPlane, control_plane
-from afd_operator.devcluster.node import FakeKubelet
-from afd_operator.devcluster.operator_process import OperatorProcess
+from afd_devcluster.controlplane import ControlPlane, control_plane
+from afd_devcluster.node import FakeKubelet
+from afd_devcluster.operator_process import OperatorProcess
 from afd_operator.naming import LABEL_MANAGED_BY, MANAGER
 
 STEP_TIMEOUT_SECONDS = 120

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .model import CheckpointError, CheckpointReader, MoESpec, require_even_split
+from ..model import CheckpointError, CheckpointReader, MoESpec, require_even_split
 
 # (parameter, checkpoint projection, shard) of the merged gate_up projection, as in
 # vLLM's deepseek_v2.py / qwen2_moe.py load_weights.

@@ -1,7 +1,7 @@
 """Attention-role model wrappers for DeepSeek-V2/V3 and Qwen2-MoE in vLLM 0.23.0.
 
 Attention, norms, dense MLPs and the gate stay local; each MoE layer's experts are the
-remote experts of ``vllm_experts.AFDFusedMoE``, built while the wrapper builds its model. The
+remote experts of ``experts.AFDFusedMoE``, built while the wrapper builds its model. The
 wrappers drop what an Attention rank must not hold and skip those checkpoint tensors: routed
 experts always, the shared expert (and Qwen2-MoE's shared-expert gate) under placement 'ffn'.
 Without an ``afd`` block they are the upstream classes unchanged.
@@ -17,9 +17,9 @@ import torch
 from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
 
-from .model import tensor_bytes
-from .vllm_experts import AFDFusedMoE, remote_experts_installed
-from .vllm_plugin import afd_config_of
+from ..model import tensor_bytes
+from .experts import AFDFusedMoE, remote_experts_installed
+from .compat import afd_config_of
 
 logger = logging.getLogger(__name__)
 

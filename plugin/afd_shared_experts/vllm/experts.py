@@ -27,14 +27,15 @@ from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.fused_moe.router.router_factory import create_fused_moe_router
 
-from .attention import RemoteMoE
-from .config import AFDConfig
-from .connector import P2PConnector
-from .metrics import RuntimeMetrics
-from .model import MoESpec, SharedExpertWeights, load_spec
-from .roles import attention_role_rank
-from .tp import all_gather_and_trim, shard_tokens
-from .vllm_plugin import MODEL_WRAPPERS, afd_config_of
+from ..attention import RemoteMoE
+from ..config import AFDConfig
+from ..connector import P2PConnector
+from ..metrics import RuntimeMetrics
+from ..model import MoESpec, SharedExpertWeights, load_spec
+from ..roles import attention_role_rank
+from ..tp import all_gather_and_trim, shard_tokens
+from .compat import afd_config_of
+from .plugin import MODEL_WRAPPERS
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional
 
 import yaml
 
-from afd_operator.devcluster.ports import free_port
+from afd_devcluster.ports import free_port
 
 ADMIN_USER = "afd-admin"
 OPERATOR_USER = "afd-operator"

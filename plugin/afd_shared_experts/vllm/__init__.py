@@ -1,0 +1,7 @@
+"""The plugin's vLLM 0.23.0 glue: everything that imports vLLM lives in this package.
+
+``plugin`` (the entry point), ``compat`` (pinned version, the afd block of a VllmConfig),
+``experts`` (the remote-experts ``FusedMoE`` on Attention ranks), ``models`` (the model
+wrappers), ``loader`` (load format ``afd``) and ``ffn`` (the FFN server's vLLM expert backend).
+The core (``afd_shared_experts.*``) never imports this package at module level.
+"""

@@ -1,0 +1,40 @@
+"""vLLM general plugin entry point (group ``vllm.general_plugins``, name ``afd_shared_experts``).
+
+vLLM calls ``register()`` in every process (argument parsing, engine core, each worker)
+*before* any ``--additional-config`` is known, so registration cannot look at the ``afd``
+block. What it registers is inert without one: the model wrappers (``ModelRegistry``) check
+``vllm_config.additional_config`` when they are built and are the upstream classes without an
+``afd`` block; the load format ``afd`` (``vllm.loader``) is only used when asked for with
+``--load-format afd``. The experts layer is not registered here: a wrapper installs it only while it
+builds an AFD model (``vllm.experts.remote_experts_installed``), so the platform plugin's own
+``FusedMoE`` registration (vllm-ascend's) never collides with this plugin. See docs/compat.md.
+"""
+
+from __future__ import annotations
+
+# Architectures whose MoE layers hand gate, shared experts and routed experts to FusedMoE
+# in the layout the wrappers know; anything else with an afd block is refused.
+MODEL_WRAPPERS = {
+    "DeepseekV2ForCausalLM": "afd_shared_experts.vllm.models:AFDDeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "afd_shared_experts.vllm.models:AFDDeepseekV3ForCausalLM",
+    "Qwen2MoeForCausalLM": "afd_shared_experts.vllm.models:AFDQwen2MoeForCausalLM",
+}
+
+
+_registered = False
+
+
+def register() -> None:
+    """Idempotent: registers the AFD model wrappers and the ``afd`` load format once per process."""
+    global _registered
+    if _registered:
+        return
+    from vllm import ModelRegistry
+    from vllm.model_executor.model_loader import register_model_loader
+
+    from .loader import LOAD_FORMAT, AFDAttentionModelLoader
+
+    for arch, target in MODEL_WRAPPERS.items():
+        ModelRegistry.register_model(arch, target)
+    register_model_loader(LOAD_FORMAT)(AFDAttentionModelLoader)
+    _registered = True
