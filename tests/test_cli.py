@@ -101,3 +101,16 @@ def test_console_script_and_crd() -> None:
     assert yaml.safe_load(result.stdout)["kind"] == "CustomResourceDefinition"
     helped = subprocess.run([str(bin_dir / "afdctl"), "--help"], capture_output=True, text=True)
     assert helped.returncode == 0 and "Exit codes" in helped.stdout
+
+
+def test_validate_reports_what_the_plugin_refuses(tmp_path: Path, examples: list[Path]) -> None:
+    doc = yaml.safe_load(next(p for p in examples if p.name == "cpu-tiny.yaml").read_text())
+    doc["spec"]["connector"] = {"extraConfig": {"dynamicQuant": 1, "foo": "bar"}}
+    bad = tmp_path / "plugin-refuses.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    code, out, err = run("validate", "-f", str(bad))
+    assert (code, out) == (1, "")
+    assert err.splitlines() == [
+        f"{bad}: spec.connector.extraConfig.foo: the plugin refuses it: afd.connector_extra_config.foo: "
+        "unknown key; allowed: attn_ranks_per_dp, dynamicQuant (got 'bar')"]
+    assert run("render", "-f", str(bad))[0] == 1  # nothing is rendered for it either

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -12,6 +11,7 @@ from afd_operator.api import AFDDeploymentSpec
 from afd_operator.planner import plan
 from afd_operator.revision import revision_of
 from afd_operator.validation import validate_object
+from afd_shared_experts.config import AFDConfig, AFDConfigError, SharedExpertsConfig
 
 
 def spec_of(**overrides: Any) -> AFDDeploymentSpec:
@@ -70,17 +70,16 @@ def test_every_world_rank_held_exactly_once(dp: int, tp: int, adev: int, franks:
 
 
 def test_runtime_config_agrees_across_an_instance() -> None:
-    spec = spec_of(connector={"extraConfig": {"dynamicQuant": 1}})
+    spec = spec_of(connector={"extraConfig": {"dynamicQuant": 1}}, sharedExperts={"placement": "attention"})
     p = plan(spec, "ds", "ns")
     for inst in p.instances:
-        blocks = [json.loads(option_value(pod.command, "--additional-config"))["afd"] for pod in inst.pods]
-        for block in blocks:
-            assert block["host"] == inst.head_host
-            assert block["port"] == inst.ports.connector
-            assert block["num_attention_ranks"] == 4 and block["num_ffn_ranks"] == 4
-            assert block["connector_extra_config"] == {"attn_ranks_per_dp": 2, "dynamicQuant": 1}
-            assert block["shared_experts"] == {"placement": "ffn", "partition": "affinity"}
-        assert sorted(b["role"] for b in blocks) == ["attention", "attention", "ffn", "ffn"]
+        for pod in inst.pods:
+            # The plugin's own config type, every field set from the spec or the plugin's default.
+            assert pod.afd_config == AFDConfig(
+                role=pod.role, num_attention_ranks=4, num_ffn_ranks=4, host=inst.head_host,
+                port=inst.ports.connector, attn_ranks_per_dp=2, dynamic_quant=1,
+                shared_experts=SharedExpertsConfig(placement="attention", partition="affinity"))
+        assert sorted(pod.afd_config.role for pod in inst.pods) == ["attention", "attention", "ffn", "ffn"]
         heads = [pod for pod in inst.pods if pod.head]
         assert len(heads) == 1 and inst.head_host.startswith(heads[0].name + "." + inst.name + ".ns.svc.")
         # Attention DP address is the head's DNS name too; every rank uses the same batch budget.
@@ -94,8 +93,29 @@ def test_host_network_shifts_ports_per_instance_and_pod_network_does_not() -> No
     p = plan(spec_of(replicas=3), "ds", "ns")
     assert [i.ports.connector for i in p.instances] == [1239, 1255, 1271]
     assert [i.ports.api for i in p.instances] == [8000, 8016, 8032]
+    assert [pod.afd_config.port for pod in p.instances[2].pods] == [1271] * 4
     cpu = plan(spec_of(replicas=3, platform="cpu"), "ds", "ns")
     assert {i.ports.connector for i in cpu.instances} == {1239}
+
+
+def test_pods_of_one_role_share_ports_no_ordinal_offset() -> None:
+    """Host ports shift per instance only: FFN pods of one instance declare the same ports (so
+    the scheduler's host-port check keeps them on different nodes), the head alone declares
+    the Attention ports and headless Attention pods declare none (they may share any node)."""
+    p = plan(spec_of(replicas=2, ffn={"ranks": 8, "devicesPerPod": 2}), "ds", "ns")
+    for inst in p.instances:
+        shift = inst.index * 16
+        ffn_ports = {pod.ports for pod in inst.pods_of("ffn")}
+        assert len(inst.pods_of("ffn")) == 4
+        assert ffn_ports == {(("health", 9401 + shift), ("metrics", 9400 + shift))}
+        head, *headless = inst.pods_of("attention")
+        assert head.ports == (("api", 8000 + shift), ("dp-rpc", 13345 + shift), ("connector", 1239 + shift))
+        assert headless and all(pod.ports == () for pod in headless)
+
+
+def test_a_spec_the_plugin_refuses_cannot_be_planned() -> None:
+    with pytest.raises(AFDConfigError, match=r"^afd\.connector_extra_config\.foo: unknown key"):
+        plan(spec_of(connector={"extraConfig": {"foo": 1}}), "ds", "ns")
 
 
 def test_plan_is_deterministic_and_instances_selectable() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any
 
@@ -14,6 +15,7 @@ from afd_operator.api import AFDDeploymentSpec
 from afd_operator.planner import plan
 from afd_operator.render import image_version_label, render
 from afd_operator.validation import validate_object
+from afd_shared_experts.config import parse_afd_config
 
 from test_planner import spec_of
 
@@ -203,3 +205,47 @@ def test_built_in_kinds_validate_offline(examples: list) -> None:
                     kubernetes_validate.validate(o, KUBERNETES_SCHEMA_VERSION, strict=True)
                     checked += 1
     assert checked >= 10
+
+
+def test_each_pod_carries_its_planned_config_as_the_plugin_serializes_it() -> None:
+    spec = spec_of(replicas=2, connector={"name": "P2PConnector", "extraConfig": {"dynamicQuant": 1}},
+                   sharedExperts={"placement": "attention", "partition": "contiguous"})
+    p = plan(spec, "ds", "ns")
+    planned = {pod.name: pod for inst in p.instances for pod in inst.pods}
+    pods = of_kind(render(spec, p), "Pod")
+    assert len(pods) == len(planned) == 8
+    for pod in pods:
+        command = pod["spec"]["containers"][0]["command"]
+        assert command.count("--additional-config") == 1
+        flag = command.index("--additional-config")
+        # Exactly the config the planner built, read back by the parser the pod runs.
+        parsed = parse_afd_config(json.loads(command[flag + 1]))
+        assert parsed == planned[pod["metadata"]["name"]].afd_config
+        assert (parsed.connector, parsed.dynamic_quant, parsed.shared_experts.partition) == ("p2p", 1, "contiguous")
+
+
+def test_the_revision_configmap_holds_only_the_plan_summary_and_no_pod_mounts_it() -> None:
+    objs = render_spec(spec_of(replicas=1))
+    (cm,) = of_kind(objs, "ConfigMap")
+    assert json.loads(cm["data"].pop("plan.json")) == {
+        "revision": cm["metadata"]["labels"][naming.LABEL_REVISION], "topology": "DP2xTP2+EP4",
+        "attentionRanks": 4, "attentionPods": 2, "ffnRanks": 4, "ffnPods": 2}
+    assert cm["data"] == {}
+    for pod in of_kind(objs, "Pod"):
+        assert not any("configMap" in v for v in pod["spec"]["volumes"])
+        assert not any(m["mountPath"].startswith("/etc/afd") for m in pod["spec"]["containers"][0]["volumeMounts"])
+
+
+def test_host_ports_shift_per_instance_and_repeat_within_a_role() -> None:
+    """Under host networking every declared port is a host port, so the scheduler never puts
+    two pods that declare the same one on a node: FFN pods of one instance land on different
+    nodes, while another instance (shifted by hostPortStride) may share them."""
+    spec = spec_of(replicas=2, ascend={"hostPortStride": 100})
+    by_instance: dict[str, list[list[tuple[str, int, int]]]] = {}
+    for pod in of_kind(render_spec(spec), "Pod"):
+        ports = [(p["name"], p["containerPort"], p["hostPort"]) for p in pod["spec"]["containers"][0]["ports"]]
+        if pod["metadata"]["labels"][naming.LABEL_ROLE] == "ffn":
+            by_instance.setdefault(pod["metadata"]["labels"][naming.LABEL_AFD_INSTANCE], []).append(ports)
+    first, second = (by_instance[name] for name in sorted(by_instance, key=lambda n: int(n.rsplit("-", 1)[1])))
+    assert first == [[("health", 9401, 9401), ("metrics", 9400, 9400)]] * 2
+    assert second == [[("health", 9501, 9501), ("metrics", 9500, 9500)]] * 2

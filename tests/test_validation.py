@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 
-from afd_operator.validation import validate_object
+from afd_operator.validation import validate_object, validate_spec
+from afd_shared_experts.config import AFDConfigError, parse_afd_config
 from k8s_helpers import DELETE, set_path
 
 
@@ -48,8 +51,6 @@ MALFORMED = [
     ("spec.sharedExperts.placement", "both", "spec.sharedExperts.placement", "'ffn' or 'attention'"),
     ("spec.sharedExperts.partition", "random", "spec.sharedExperts.partition", "'affinity' or 'contiguous'"),
     ("spec.connector.port", 0, "spec.connector.port", "greater than or equal to 1"),
-    ("spec.connector.name", "camconnector", "spec.connector.name", "needs the plugin's async connector"),
-    ("spec.connector.extraConfig", {"dynamicQuant": 1}, "spec.connector.extraConfig.dynamicQuant", "not supported"),
     ("spec.connector.port", 70000, "spec.connector.port", "less than or equal to 65535"),
     ("spec.connector.port", 8000, "spec.connector.port", "collides with spec.service.port"),
     ("spec.attention.dataParallel", 0, "spec.attention.dataParallel", "greater than or equal to 1"),
@@ -156,3 +157,72 @@ def test_cpu_platform_ignores_host_ports() -> None:
     obj = with_change("spec.platform", "cpu")
     obj["spec"]["ascend"] = {"hostPortStride": 1}
     assert validate_object(obj)[1] == []
+
+
+# What the plugin's own parser refuses in a pod's afd block, refused up front:
+# (change path, value, expected problem path, the plugin's field path, its rule).
+PLUGIN_REFUSALS = [
+    ("spec.connector.extraConfig", {"foo": 1}, "spec.connector.extraConfig.foo",
+     "afd.connector_extra_config.foo", "unknown key; allowed: attn_ranks_per_dp, dynamicQuant"),
+    ("spec.connector.name", "camconnector", "spec.connector.name", "afd.connector", "unknown connector"),
+    ("spec.connector.extraConfig", {"dynamicQuant": "yes"}, "spec.connector.extraConfig.dynamicQuant",
+     "afd.connector_extra_config.dynamicQuant", "must be an integer"),
+    ("spec.connector.extraConfig", {"dynamicQuant": 2}, "spec.connector.extraConfig.dynamicQuant",
+     "afd.connector_extra_config.dynamicQuant", "must be in [0, 1]"),
+    ("spec.connector.extraConfig", {"attn_ranks_per_dp": 3}, "spec.connector.extraConfig.attn_ranks_per_dp",
+     "afd.connector_extra_config.attn_ranks_per_dp", "must divide afd.num_attention_ranks (4 = DP x TP)"),
+    ("spec.connector.extraConfig", {"dynamicQuant": 1}, "spec.connector.extraConfig.dynamicQuant",
+     "afd.connector_extra_config.dynamicQuant", "not supported with shared_experts.placement 'ffn'"),
+    ("spec.clusterDomain", "cluster local", "spec.clusterDomain", "afd.host", "IP address or DNS name"),
+]
+
+
+@pytest.mark.parametrize("change,value,path,plugin_path,rule", PLUGIN_REFUSALS,
+                         ids=[f"{c[0]}={c[1]!r}"[:60] for c in PLUGIN_REFUSALS])
+def test_what_the_plugin_refuses_is_refused_with_its_message(change: str, value: Any, path: str, plugin_path: str,
+                                                             rule: str) -> None:
+    obj = with_change(change, value)
+    for spec, problems in (validate_object(obj), validate_spec(obj["spec"], obj["metadata"]["name"])):
+        assert spec is None
+        (problem,) = problems
+        assert problem.path == path
+        assert problem.message.startswith(f"the plugin refuses it: {plugin_path}: ") and rule in problem.message
+
+
+def test_the_message_is_the_plugins_own() -> None:
+    obj = with_change("spec.connector.extraConfig", {"foo": 1})
+    (problem,) = validate_object(obj)[1]
+    with pytest.raises(AFDConfigError) as plugin:
+        parse_afd_config({"afd": {"role": "ffn", "num_attention_ranks": 4, "num_ffn_ranks": 4,
+                                  "connector_extra_config": {"foo": 1}}})
+    assert problem.message == f"the plugin refuses it: {plugin.value}"
+
+
+@pytest.mark.parametrize("change,value", [
+    ("spec.connector.name", "P2PConnector"),  # an alias the plugin accepts
+    ("spec.connector.extraConfig", {"dynamicQuant": "0", "attn_ranks_per_dp": 4}),
+    ("spec.sharedExperts", {"placement": "attention"}),
+])
+def test_what_the_plugin_accepts_is_accepted(change: str, value: Any) -> None:
+    assert validate_object(with_change(change, value))[1] == []
+
+
+def test_quantized_dispatch_is_accepted_with_shared_experts_on_attention() -> None:
+    obj = with_change("spec.connector.extraConfig", {"dynamicQuant": 1})
+    obj["spec"]["sharedExperts"] = {"placement": "attention"}
+    assert validate_object(obj)[1] == []
+
+
+def test_a_port_refused_by_both_the_operator_and_the_plugin_is_reported_once() -> None:
+    obj = with_change("spec.connector.port", 65530)  # instance 1 would use 65546
+    assert [p.path for p in validate_object(obj)[1]] == ["spec.connector.port"]
+    assert "above 65535" in validate_object(obj)[1][0].message
+
+
+def test_the_operator_imports_the_plugins_parser_without_torch() -> None:
+    """The operator image has no torch: the plugin's config module must stay importable alone."""
+    check = ("import sys, afd_operator.validation, afd_operator.render; "
+             "assert 'afd_shared_experts.config' in sys.modules; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'safetensors')))")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

@@ -72,3 +72,22 @@ def test_valid_cr_admitted_and_updates_checked(cluster: ControlPlane, webhook_op
     assert bad.returncode != 0 and "spec.ffn.ranks" in bad.stderr
     scaled = cluster.kubectl("scale", "afd", doc["metadata"]["name"], "-n", namespace, "--replicas=2")
     assert scaled.returncode == 0
+
+
+def test_spec_the_plugin_would_refuse_is_rejected_with_its_message(cluster: ControlPlane,
+                                                                  webhook_operator: OperatorProcess,
+                                                                  namespace: str, examples: list[Path]) -> None:
+    doc = yaml.safe_load(next(p for p in examples if p.name == "cpu-tiny.yaml").read_text())
+    doc["metadata"]["namespace"] = namespace
+    doc["spec"]["connector"] = {"extraConfig": {"dynamicQuant": "often"}}  # the CRD lets any value through
+    result = cluster.kubectl("apply", "-f", "-", input_text=yaml.safe_dump(doc), check=False)
+    assert result.returncode != 0 and "denied the request" in result.stderr
+    assert ("spec.connector.extraConfig.dynamicQuant: the plugin refuses it: "
+            "afd.connector_extra_config.dynamicQuant: must be an integer (got 'often')") in result.stderr, result.stderr
+    assert cluster.kubectl("get", "afd", "-n", namespace, "-o", "name").stdout.strip() == ""
+    # An update is judged the same way: a connector name the plugin does not know.
+    cluster.kubectl("apply", "-f", "-", input_text=yaml.safe_dump({**doc, "spec": {**doc["spec"], "connector": {}}}))
+    renamed = cluster.kubectl("patch", "afd", doc["metadata"]["name"], "-n", namespace, "--type=merge",
+                              "-p", '{"spec": {"connector": {"name": "nixl"}}}', check=False)
+    assert renamed.returncode != 0
+    assert "spec.connector.name: the plugin refuses it: afd.connector: unknown connector" in renamed.stderr

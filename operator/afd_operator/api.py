@@ -9,6 +9,7 @@ few places that are free-form by design (pod template pieces, connector extraCon
 from __future__ import annotations
 
 import re
+from enum import Enum
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -152,7 +153,9 @@ class ConnectorSpec(Strict):
     name: str = Field(DEFAULT_CONNECTOR, min_length=1, description="AFD connector name.")
     port: int = _port(1239, "Rendezvous port on the Attention head.")
     extra_config: dict[str, Any] = Field(
-        default_factory=dict, description="Passed as connector_extra_config.", json_schema_extra=FREE_FORM
+        default_factory=dict, description="Laid over the operator's connector_extra_config "
+        "(attn_ranks_per_dp = attention.tensorParallel); the plugin's parser refuses keys it does not know.",
+        json_schema_extra=FREE_FORM
     )
 
 
@@ -184,8 +187,9 @@ class AscendSpec(Strict):
     host_network: bool = Field(True, description="Use host networking (needed for same-node HCCS).")
     host_port_stride: int = Field(
         16, ge=1, le=1024,
-        description="With hostNetwork, instance i uses ports base + i*stride (+ pod ordinal) so "
-        "instances sharing a node never collide.",
+        description="With hostNetwork, instance i uses ports base + i*stride so instances sharing a "
+        "node never collide. Pods of one instance and role use the same ports (declared as host "
+        "ports, so the scheduler puts them on different nodes).",
     )
     shm_size: str = Field("16Gi", description="Size of the memory-backed /dev/shm.")
     socket_interface: Optional[str] = Field(
@@ -329,11 +333,24 @@ class Condition(Strict):
     observed_generation: Optional[int] = None
 
 
+# An instance's phase, the one definition used by the controller, status and metrics. A
+# str Enum, so it travels as the plain string; no docstring, which would land in the CRD.
+class Phase(str, Enum):
+    PENDING = "Pending"
+    STARTING = "Starting"
+    READY = "Ready"
+    DRAINING = "Draining"
+    FAILED = "Failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class InstanceStatus(Strict):
     name: str = Field(description="Instance name (also its headless Service).")
     index: int
     revision: str
-    phase: Literal["Pending", "Starting", "Ready", "Draining", "Failed"]
+    phase: Phase
     pods_ready: int = 0
     pods_total: int = 0
     restarts: int = Field(0, description="Times the instance was recreated after a failure.")

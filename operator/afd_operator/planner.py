@@ -3,21 +3,26 @@
 An *instance* is one complete connector world: A = DP x TP Attention ranks (world ranks
 0..A-1) and F FFN ranks (world ranks A..A+F-1). The plan lists, per instance, every pod
 with the ranks and devices it holds, its DP start rank, whether it is the Attention head,
-its full command line, environment, ports and the AFD runtime config it is started with.
+its command line, environment, ports and the plugin's own `AFDConfig` it is started with
+(the renderer serializes it into `--additional-config`). The config is built through the
+plugin's parser, so a spec the pods would refuse raises `AFDConfigError` here; validation
+turns that into a problem before anything is planned for real.
 
 Endpoints are DNS names of pods behind the instance's headless Service, so the plan can
 be wired before any pod IP exists. With host networking, instances that share a node
 must not share ports: instance i uses base + i*stride for every port. Pods of one
-instance and role use the same ports; since they are declared as host ports, the
-scheduler never puts two of them on one node.
+instance and role use the same ports (no per-pod offset); since they are declared as
+host ports, the scheduler never puts two of them on one node. Only the head and the FFN
+pods declare ports: headless Attention pods may share a node with any pod.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Optional
+from dataclasses import dataclass
+from typing import Iterable, Literal, Optional
+
+from afd_shared_experts.config import AFDConfig, SharedExpertsConfig
 
 from . import naming
 from .api import AFDDeploymentSpec
@@ -27,7 +32,6 @@ Role = Literal["attention", "ffn"]
 
 PLUGIN_NAME = "afd_shared_experts"
 FFN_SERVER_MODULE = "afd_shared_experts.ffn_server"
-RUNTIME_CONFIG_DIR = "/etc/afd"
 
 
 @dataclass(frozen=True)
@@ -102,10 +106,10 @@ class PodPlan:
     head: bool
     dp_start_rank: Optional[int]  # Attention only
     dp_local: Optional[int]  # Attention only
-    command: tuple[str, ...]
+    command: tuple[str, ...]  # without --additional-config: the renderer adds it from afd_config
     env: tuple[tuple[str, str], ...]  # literal env the runtime needs, in order
     ports: tuple[tuple[str, int], ...]  # (name, containerPort)
-    afd_config: dict[str, Any] = field(hash=False, compare=True)
+    afd_config: AFDConfig
 
 
 @dataclass(frozen=True)
@@ -135,29 +139,21 @@ class Plan:
         return self.attention.pods + self.ffn.pods
 
 
-def afd_config(spec: AFDDeploymentSpec, role: Role, host: str, port: int) -> dict[str, Any]:
-    """The `afd` block of vLLM's --additional-config (afd-plugin key spellings)."""
-    extra = {"attn_ranks_per_dp": spec.attention.tensor_parallel, **spec.connector.extra_config}
-    block: dict[str, Any] = {
-        "role": role,
-        "connector": spec.connector.name,
-        "async": True,
-        "host": host,
-        "port": port,
-        "num_attention_ranks": spec.attention.data_parallel * spec.attention.tensor_parallel,
-        "num_ffn_ranks": spec.ffn.ranks,
-        "compute_gate_on_attention": True,
-        "connector_extra_config": extra,
-        "shared_experts": {
-            "placement": spec.shared_experts.placement,
-            "partition": spec.shared_experts.partition,
-        },
-    }
-    return block
-
-
-def _additional_config(block: dict[str, Any]) -> str:
-    return json.dumps({"afd": block}, sort_keys=True, separators=(",", ":"))
+def afd_config(spec: AFDDeploymentSpec, role: Role, host: str, port: int) -> AFDConfig:
+    """The plugin's config of one pod. Raises the plugin's `AFDConfigError` (a block path
+    and the rule) when the spec's connector name or extraConfig is one the pods refuse."""
+    return AFDConfig.build(
+        role=role,
+        connector=spec.connector.name,
+        host=host,
+        port=port,
+        num_attention_ranks=spec.attention.data_parallel * spec.attention.tensor_parallel,
+        num_ffn_ranks=spec.ffn.ranks,
+        attn_ranks_per_dp=spec.attention.tensor_parallel,
+        connector_extra_config=spec.connector.extra_config,
+        shared_experts=SharedExpertsConfig(placement=spec.shared_experts.placement,
+                                           partition=spec.shared_experts.partition),
+    )
 
 
 def _model_args(spec: AFDDeploymentSpec) -> list[str]:
@@ -202,14 +198,13 @@ PROMETHEUS_MULTIPROC_DIR = "/var/run/afd-prometheus"
 
 def _attention_pod(
     spec: AFDDeploymentSpec, plan_name: str, revision: str, index: int, ordinal: int,
-    layout: RoleLayout, head_host: str, ports: InstancePorts,
+    layout: RoleLayout, head_host: str, ports: InstancePorts, config: AFDConfig,
 ) -> PodPlan:
     att = spec.attention
     rank_start, ranks = layout.ranks_of(ordinal)
     dp_local = ranks // att.tensor_parallel
     dp_start = rank_start // att.tensor_parallel
     head = ordinal == 0
-    block = afd_config(spec, "attention", head_host, ports.connector)
     command = [
         "vllm", "serve", spec.model.path,
         "--served-model-name", spec.model.name,
@@ -226,8 +221,7 @@ def _attention_pod(
     command += _model_args(spec)
     # The plugin's load format: vLLM's loader without reading any routed-expert weight from
     # disk (docs/plugin.md). Before engineArgs, so a user's --load-format wins.
-    command += ["--load-format", "afd", "--additional-config", _additional_config(block)]
-    command += list(att.engine_args)
+    command += ["--load-format", "afd", *att.engine_args]
     pod_ports = [("api", ports.api), ("dp-rpc", ports.dp_rpc), ("connector", ports.connector)] if head else []
     return PodPlan(
         role="attention", ordinal=ordinal,
@@ -236,17 +230,16 @@ def _attention_pod(
         dp_start_rank=dp_start, dp_local=dp_local, command=tuple(command),
         env=tuple(_common_env(spec, "attention") + ([("PROMETHEUS_MULTIPROC_DIR", PROMETHEUS_MULTIPROC_DIR)]
                                                     if head else [])),
-        ports=tuple(pod_ports), afd_config=block,
+        ports=tuple(pod_ports), afd_config=config,
     )
 
 
 def _ffn_pod(
     spec: AFDDeploymentSpec, plan_name: str, revision: str, index: int, ordinal: int,
-    layout: RoleLayout, attention_ranks: int, head_host: str, ports: InstancePorts,
+    layout: RoleLayout, attention_ranks: int, ports: InstancePorts, config: AFDConfig,
 ) -> PodPlan:
     rank_start, ranks = layout.ranks_of(ordinal)
     metrics_port, health_port = ports.ffn_metrics, ports.ffn_health
-    block = afd_config(spec, "ffn", head_host, ports.connector)
     command = [
         "python3", "-m", FFN_SERVER_MODULE,
         "--model", spec.model.path,
@@ -258,33 +251,49 @@ def _ffn_pod(
     if spec.metrics.enabled:
         command += ["--metrics-port", str(metrics_port)]
         pod_ports.append(("metrics", metrics_port))
-    command += [*_model_args(spec), "--additional-config", _additional_config(block)]
+    command += _model_args(spec)
     return PodPlan(
         role="ffn", ordinal=ordinal,
         name=naming.pod_name(plan_name, revision, index, "ffn", ordinal),
         rank_start=rank_start, ranks=ranks, world_rank_start=attention_ranks + rank_start, head=False,
         dp_start_rank=None, dp_local=None, command=tuple(command),
         env=tuple(_common_env(spec, "ffn")),
-        ports=tuple(pod_ports), afd_config=block,
+        ports=tuple(pod_ports), afd_config=config,
     )
+
+
+def head_host(spec: AFDDeploymentSpec, name: str, namespace: str, revision: str, index: int) -> str:
+    """DNS name of instance `index`'s Attention head: connector host and DP address."""
+    inst = naming.instance_name(name, revision, index)
+    return naming.pod_dns_name(naming.pod_name(name, revision, index, "attention", 0), inst, namespace,
+                               spec.cluster_domain)
+
+
+def role_configs(spec: AFDDeploymentSpec, name: str, namespace: str, revision: str,
+                 index: int) -> dict[Role, AFDConfig]:
+    """The AFDConfig of each role in instance `index`. Every pod of a role is started with
+    the same one: its ranks find their place in the world from the command line."""
+    host, port = head_host(spec, name, namespace, revision, index), instance_ports(spec, index).connector
+    return {role: afd_config(spec, role, host, port) for role in ("attention", "ffn")}
 
 
 def plan_instance(spec: AFDDeploymentSpec, name: str, namespace: str, revision: str, index: int) -> InstancePlan:
     att, ffn = attention_layout(spec), ffn_layout(spec)
     inst = naming.instance_name(name, revision, index)
-    head_pod = naming.pod_name(name, revision, index, "attention", 0)
-    head_host = naming.pod_dns_name(head_pod, inst, namespace, spec.cluster_domain)
+    host = head_host(spec, name, namespace, revision, index)
     ports = instance_ports(spec, index)
+    configs = role_configs(spec, name, namespace, revision, index)
     # FFN pods first: with startup order FFNFirst they are created first.
-    pods = [_ffn_pod(spec, name, revision, index, k, ffn, att.ranks, head_host, ports) for k in range(ffn.pods)]
-    pods += [_attention_pod(spec, name, revision, index, k, att, head_host, ports) for k in range(att.pods)]
-    return InstancePlan(index=index, name=inst, head_host=head_host, ports=ports, pods=tuple(pods))
+    pods = [_ffn_pod(spec, name, revision, index, k, ffn, att.ranks, ports, configs["ffn"]) for k in range(ffn.pods)]
+    pods += [_attention_pod(spec, name, revision, index, k, att, host, ports, configs["attention"])
+             for k in range(att.pods)]
+    return InstancePlan(index=index, name=inst, head_host=host, ports=ports, pods=tuple(pods))
 
 
 def plan(
     spec: AFDDeploymentSpec, name: str, namespace: str, indices: Optional[Iterable[int]] = None
 ) -> Plan:
-    """Plan instances `indices` (default 0..replicas-1) of a validated spec."""
+    """Plan instances `indices` (default 0..replicas-1) of a validated spec (`validate_spec`)."""
     revision = revision_of(spec)
     wanted = range(spec.replicas) if indices is None else sorted(set(indices))
     return Plan(

@@ -2,11 +2,16 @@
 
 The operator manages Pods directly (not StatefulSets/LWS) so that an instance is created,
 ordered, recreated and rolled as one unit. Objects per deployment: a ConfigMap per
-revision (the instance-shaping spec snapshot, so old-revision instances can be recreated
-during a partitioned rollout), a headless Service per instance (stable pod DNS for the
+revision (the plan summary, pods per role: how the reconciler knows the layout of an
+older revision's instances while they are still running; only the current revision's
+instances are ever created), a headless Service per instance (stable pod DNS for the
 connector rendezvous), the OpenAI API Service (serving Attention heads only), a
 PodDisruptionBudget, a Volcano PodGroup per instance when gang scheduling is on, a
 PodMonitor when asked, and one Pod per planned pod.
+
+Each pod's `afd` block is the planner's `AFDConfig`, serialized by the plugin's own
+`as_additional_config()` into `--additional-config`: one schema, which `parse_afd_config`
+in the pod reads back unchanged.
 """
 
 from __future__ import annotations
@@ -18,8 +23,7 @@ from typing import Any, Optional
 
 from . import naming
 from .api import API_VERSION, KIND, AFDDeploymentSpec, EnvVar, PodTemplateOverrides
-from .planner import PROMETHEUS_MULTIPROC_DIR, RUNTIME_CONFIG_DIR, InstancePlan, Plan, PodPlan, uses_host_network
-from .revision import shaping_spec
+from .planner import PROMETHEUS_MULTIPROC_DIR, InstancePlan, Plan, PodPlan, uses_host_network
 from .validation import resolve_int_or_percent
 
 Obj = dict[str, Any]
@@ -98,19 +102,12 @@ def _resources(spec: AFDDeploymentSpec, pod: PodPlan, overrides: PodTemplateOver
     return out
 
 
-def _volumes(spec: AFDDeploymentSpec, pod: PodPlan, revision_cm: str,
-             overrides: PodTemplateOverrides) -> tuple[list[Obj], list[Obj]]:
+def _volumes(spec: AFDDeploymentSpec, pod: PodPlan, overrides: PodTemplateOverrides) -> tuple[list[Obj], list[Obj]]:
     shm: Obj = {"medium": "Memory"}
     if spec.platform == "ascend":
         shm["sizeLimit"] = spec.ascend.shm_size
-    volumes: list[Obj] = [
-        {"name": "dshm", "emptyDir": shm},
-        {"name": "afd-runtime", "configMap": {"name": revision_cm}},
-    ]
-    mounts: list[Obj] = [
-        {"name": "dshm", "mountPath": "/dev/shm"},
-        {"name": "afd-runtime", "mountPath": RUNTIME_CONFIG_DIR, "readOnly": True},
-    ]
+    volumes: list[Obj] = [{"name": "dshm", "emptyDir": shm}]
+    mounts: list[Obj] = [{"name": "dshm", "mountPath": "/dev/shm"}]
     if pod.head:
         volumes.append({"name": "prometheus-multiproc", "emptyDir": {}})
         mounts.append({"name": "prometheus-multiproc", "mountPath": PROMETHEUS_MULTIPROC_DIR})
@@ -171,6 +168,11 @@ def _merge_labels(*parts: dict[str, str]) -> dict[str, str]:
     return out
 
 
+def additional_config_json(pod: PodPlan) -> str:
+    """The `--additional-config` value of a pod: its AFDConfig as the plugin serializes it."""
+    return json.dumps(pod.afd_config.as_additional_config(), sort_keys=True, separators=(",", ":"))
+
+
 def render_pod(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, pod: PodPlan,
                owner: Optional[Obj] = None) -> Obj:
     role_spec = spec.attention if pod.role == "attention" else spec.ffn
@@ -189,7 +191,7 @@ def render_pod(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, pod:
     annotations = dict(overrides.annotations)
     if spec.scheduling.gang.provider == "volcano":
         annotations["scheduling.k8s.io/group-name"] = instance.name
-    volumes, mounts = _volumes(spec, pod, naming.runtime_configmap_name(plan.name, plan.revision), overrides)
+    volumes, mounts = _volumes(spec, pod, overrides)
     ports = []
     for port_name, number in pod.ports:
         entry: Obj = {"name": port_name, "containerPort": number, "protocol": "TCP"}
@@ -200,7 +202,7 @@ def render_pod(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, pod:
         "name": pod.role,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": list(pod.command),
+        "command": [*pod.command, "--additional-config", additional_config_json(pod)],
         "env": _env(pod.env, spec, pod, plan.revision, instance, role_spec.env),
         "ports": ports,
         "resources": _resources(spec, pod, overrides),
@@ -284,7 +286,7 @@ def render_api_service(spec: AFDDeploymentSpec, plan: Plan, owner: Optional[Obj]
     }
 
 
-def render_runtime_configmap(spec: AFDDeploymentSpec, plan: Plan, owner: Optional[Obj] = None) -> Obj:
+def render_runtime_configmap(plan: Plan, owner: Optional[Obj] = None) -> Obj:
     labels = _merge_labels(naming.base_labels(plan.name, "runtime-config"), {naming.LABEL_REVISION: plan.revision})
     summary = {
         "revision": plan.revision,
@@ -297,10 +299,7 @@ def render_runtime_configmap(spec: AFDDeploymentSpec, plan: Plan, owner: Optiona
     return {
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": _meta(naming.runtime_configmap_name(plan.name, plan.revision), plan.namespace, labels, owner),
-        "data": {
-            "spec.json": json.dumps(shaping_spec(spec), sort_keys=True),
-            "plan.json": json.dumps(summary, sort_keys=True),
-        },
+        "data": {"plan.json": json.dumps(summary, sort_keys=True)},
     }
 
 
@@ -355,7 +354,7 @@ def render_instance(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan,
 
 def render_shared(spec: AFDDeploymentSpec, plan: Plan, owner: Optional[Obj] = None) -> list[Obj]:
     """Objects shared by all instances of the plan's revision."""
-    objs = [render_runtime_configmap(spec, plan, owner), render_api_service(spec, plan, owner),
+    objs = [render_runtime_configmap(plan, owner), render_api_service(spec, plan, owner),
             render_pdb(spec, plan, owner)]
     if spec.metrics.enabled and spec.metrics.pod_monitor:
         objs.append(render_pod_monitor(spec, plan, owner))

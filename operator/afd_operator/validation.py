@@ -1,8 +1,10 @@
 """Validation of AFDDeployment objects: every problem at once, each with its field path.
 
 Schema rules come from the pydantic models; cross-field rules (which a Kubernetes 1.20
-CRD cannot express without CEL) live here and are shared by `afdctl validate`, the
-admission webhook and the operator's ConfigValid condition.
+CRD cannot express without CEL) live here; last, the plugin's own parser judges the `afd`
+block of every pod the spec plans, so what the pods would refuse is refused here, with the
+plugin's message under the spec field it came from. All three are shared by `afdctl
+validate`, the admission webhook and the operator's ConfigValid condition.
 """
 
 from __future__ import annotations
@@ -12,16 +14,15 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from afd_shared_experts.config import AFDConfigError
 from pydantic import ValidationError
 
 from . import naming
 from .api import AFDDeployment, AFDDeploymentSpec, EnvVar
-from .planner import attention_layout, ffn_layout, instance_ports, uses_host_network
-from .revision import REVISION_LENGTH
+from .planner import attention_layout, ffn_layout, instance_ports, role_configs, uses_host_network
+from .revision import REVISION_LENGTH, revision_of
 
 PORT_MAX = 65535
-# The plugin's connector that carries shared-expert rows in its dispatch header.
-SHARED_EXPERTS_CONNECTORS = ("p2p",)
 MAX_INDEX_DIGITS = 4  # names are checked for instance indices up to 9999
 _DNS_1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
@@ -55,12 +56,6 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.path}: {self.message}"
-
-
-class InvalidSpec(ValueError):
-    def __init__(self, problems: list[Problem]):
-        self.problems = problems
-        super().__init__("; ".join(str(p) for p in problems))
 
 
 def _camel(name: str) -> str:
@@ -214,8 +209,41 @@ def _check_names(name: str, spec: AFDDeploymentSpec) -> list[Problem]:
     return []
 
 
-def check_spec(spec: AFDDeploymentSpec, name: str) -> list[Problem]:
-    """Cross-field rules of a schema-valid spec."""
+# Where each piece of the afd block comes from in the spec (block path -> spec path; a
+# deeper block path keeps its tail, e.g. afd.connector_extra_config.foo ->
+# spec.connector.extraConfig.foo). Pieces the operator derives itself are checked above.
+_PLUGIN_FIELDS = {
+    "afd.connector": "spec.connector.name",
+    "afd.connector_extra_config": "spec.connector.extraConfig",
+    "afd.port": "spec.connector.port",
+    "afd.host": "spec.clusterDomain",
+    "afd.shared_experts": "spec.sharedExperts",
+}
+
+
+def _spec_path(block_path: str) -> str:
+    for block_prefix, spec_prefix in _PLUGIN_FIELDS.items():
+        if block_path == block_prefix or block_path.startswith(block_prefix + "."):
+            return spec_prefix + block_path[len(block_prefix):]
+    return "spec"
+
+
+def _check_plugin_config(spec: AFDDeploymentSpec, name: str, namespace: str, max_index: int) -> list[Problem]:
+    """The configs the planner gives the pods of every instance that may exist at once
+    (ports and host differ per instance). It builds them with the plugin's own parser
+    (`AFDConfig.build`), and the rendered block is exactly what that parser reads back in
+    the pod, so a spec refused here is one the pods would refuse, and no other."""
+    revision = revision_of(spec)
+    for index in range(max_index + 1):
+        try:
+            role_configs(spec, name, namespace, revision, index)
+        except AFDConfigError as err:
+            return [Problem(_spec_path(err.path), f"the plugin refuses it: {err}")]
+    return []
+
+
+def check_spec(spec: AFDDeploymentSpec, name: str, namespace: str = "default") -> list[Problem]:
+    """Cross-field rules of a schema-valid spec, then the plugin's verdict on its pods."""
     problems = _check_names(name, spec)
     problems += _check_layout(spec)
     us = spec.update_strategy
@@ -226,7 +254,8 @@ def check_spec(spec: AFDDeploymentSpec, name: str) -> list[Problem]:
             "spec.updateStrategy.maxUnavailable",
             "maxSurge and maxUnavailable must not both be 0 (the rollout could never make progress)",
         ))
-    problems += _check_ports(spec, max_index=max(spec.replicas + surge - 1, 0))
+    max_index = max(spec.replicas + surge - 1, 0)
+    problems += _check_ports(spec, max_index)
     problems += _check_engine_args(spec.attention.engine_args)
     problems += _check_env("spec.attention.env", spec.attention.env)
     problems += _check_env("spec.ffn.env", spec.ffn.env)
@@ -235,18 +264,6 @@ def check_spec(spec: AFDDeploymentSpec, name: str) -> list[Problem]:
             "spec.recovery.maxBackoffSeconds",
             f"must be >= recovery.backoffSeconds ({spec.recovery.backoff_seconds})",
         ))
-    if spec.shared_experts.placement == "ffn":
-        if spec.connector.name.lower() not in SHARED_EXPERTS_CONNECTORS:
-            problems.append(Problem(
-                "spec.connector.name",
-                f"sharedExperts.placement 'ffn' needs the plugin's async connector "
-                f"({', '.join(SHARED_EXPERTS_CONNECTORS)}); got '{spec.connector.name}'",
-            ))
-        if spec.connector.extra_config.get("dynamicQuant"):
-            problems.append(Problem(
-                "spec.connector.extraConfig.dynamicQuant",
-                "quantized dispatch is not supported with sharedExperts.placement 'ffn'",
-            ))
     gang = spec.scheduling.gang
     if gang.queue is not None and gang.provider != "volcano":
         problems.append(Problem("spec.scheduling.gang.queue", "is only used with gang.provider 'volcano'"))
@@ -261,11 +278,16 @@ def check_spec(spec: AFDDeploymentSpec, name: str) -> list[Problem]:
             problems.append(Problem(
                 "spec.model.path", f"must be inside model.volume.mountPath ({vol.mount_path})"
             ))
+    reported = {p.path for p in problems}
+    # A port shifted past 65535 is refused by the plugin too: one report per field is enough.
+    problems += [p for p in _check_plugin_config(spec, name, namespace, max_index) if p.path not in reported]
     return problems
 
 
-def validate_spec(data: Any, name: str, prefix: str = "spec") -> tuple[Optional[AFDDeploymentSpec], list[Problem]]:
-    """Parse and check a raw spec mapping. Returns the spec only when there is no problem."""
+def validate_spec(data: Any, name: str, prefix: str = "spec",
+                  namespace: str = "default") -> tuple[Optional[AFDDeploymentSpec], list[Problem]]:
+    """Parse and check a raw spec mapping. Returns the spec only when there is no problem.
+    The namespace only appears in the pods' DNS names, which the plugin checks as a host."""
     try:
         spec = AFDDeploymentSpec.model_validate(data)
     except ValidationError as err:
@@ -273,7 +295,7 @@ def validate_spec(data: Any, name: str, prefix: str = "spec") -> tuple[Optional[
         if not naming.is_dns_1035_label(name):
             problems.insert(0, Problem("metadata.name", "must be a DNS-1035 label"))
         return None, problems
-    problems = check_spec(spec, name)
+    problems = check_spec(spec, name, namespace)
     return (None, problems) if problems else (spec, [])
 
 
@@ -285,5 +307,5 @@ def validate_object(obj: Any) -> tuple[Optional[AFDDeployment], list[Problem]]:
         parsed = AFDDeployment.model_validate(obj)
     except ValidationError as err:
         return None, _pydantic_problems(err, "")
-    problems = check_spec(parsed.spec, parsed.metadata.name)
+    problems = check_spec(parsed.spec, parsed.metadata.name, parsed.metadata.namespace)
     return (None, problems) if problems else (parsed, [])

@@ -2,6 +2,9 @@
 
 Keys follow the afd-plugin spellings; the older ``afd_*`` spellings used by vLLM's AFD
 prototype are accepted as aliases. Every error names the field path and the rule broken.
+``AFDConfig.to_block`` writes the block back (canonical spellings, every key), which is how
+the operator renders each pod's block: one schema for both sides. Torch-free: the operator
+imports this module.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ class SharedExpertsConfig:
     placement: str = "attention"
     partition: str = "affinity"
 
+    def to_block(self) -> dict[str, Any]:
+        return {"placement": self.placement, "partition": self.partition}
+
 
 @dataclass(frozen=True)
 class AFDConfig:
@@ -90,6 +96,49 @@ class AFDConfig:
 
     def ffn_world_rank(self, ffn_index: int) -> int:
         return self.num_attention_ranks + ffn_index
+
+    def to_block(self) -> dict[str, Any]:
+        """The ``afd`` block in canonical key spellings: ``parse_afd_config`` of
+        :meth:`as_additional_config` gives back an equal config (JSON-safe values only)."""
+        block: dict[str, Any] = {
+            "role": self.role,
+            "connector": self.connector,
+            "async": self.async_dp,
+            "host": self.host,
+            "port": self.port,
+            "num_attention_ranks": self.num_attention_ranks,
+            "num_ffn_ranks": self.num_ffn_ranks,
+            "num_stages": self.num_stages,
+            "compute_gate_on_attention": self.compute_gate_on_attention,
+            "connector_extra_config": {
+                "attn_ranks_per_dp": self.attn_ranks_per_dp,
+                "dynamicQuant": self.dynamic_quant,
+            },
+            "shared_experts": self.shared_experts.to_block(),
+            "timeout_seconds": self.timeout_seconds,
+        }
+        # Unset probe ports are left out: the parser reads an absent key as None.
+        for key, port in (("metrics_port", self.metrics_port), ("health_port", self.health_port)):
+            if port is not None:
+                block[key] = port
+        return block
+
+    def as_additional_config(self) -> dict[str, Any]:
+        """vLLM's ``--additional-config`` mapping that carries this config."""
+        return {"afd": self.to_block()}
+
+    @classmethod
+    def build(cls, *, connector: Any = "p2p", connector_extra_config: Mapping[str, Any] | None = None,
+              **fields: Any) -> AFDConfig:
+        """A config from typed field values plus the two parts a user writes by hand: the
+        connector name (any spelling the parser accepts) and ``connector_extra_config``
+        entries, laid over the typed ones. It goes through :func:`parse_afd_config`, so
+        every rule a pod applies applies here, and a refusal (:class:`AFDConfigError`)
+        names the block path, e.g. ``afd.connector_extra_config.<key>``."""
+        block = cls(**fields).to_block()
+        block["connector"] = connector
+        block["connector_extra_config"] = {**block["connector_extra_config"], **(connector_extra_config or {})}
+        return parse_afd_config({"afd": block})
 
     def validate_for_model(self, num_routed_experts: int, *, field_path: str = "afd.num_ffn_ranks") -> None:
         """Rules that need the model: expert-parallel split must be even."""

@@ -1,6 +1,13 @@
-import pytest
+import json
 
-from afd_shared_experts.config import AFDConfigError, parse_afd_config
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from afd_shared_experts.config import (
+    CONNECTORS, EXTRA_KEYS, PARTITIONS, PLACEMENTS, ROLES, SHARED_KEYS, TOP_LEVEL_KEYS, AFDConfig, AFDConfigError,
+    SharedExpertsConfig, parse_afd_config,
+)
 
 BASE = {"role": "attention", "num_attention_ranks": 4, "num_ffn_ranks": 2}
 
@@ -69,3 +76,76 @@ def test_experts_must_divide_over_ffn_ranks():
     with pytest.raises(AFDConfigError, match=r"^afd\.num_ffn_ranks: must divide the model's 8 routed experts"):
         cfg.validate_for_model(8)
     parse(num_ffn_ranks=4).validate_for_model(8)
+
+
+# ---- one schema: the serializer the operator renders with, and the builder it plans with ----
+
+HOSTS = st.one_of(
+    st.from_regex(r"[a-z0-9]([-a-z0-9.]{0,40}[a-z0-9])?", fullmatch=True),
+    st.ip_addresses().map(str),
+)
+PROBE_PORTS = st.one_of(st.none(), st.integers(min_value=0, max_value=65535))
+
+
+@st.composite
+def afd_configs(draw) -> AFDConfig:
+    """Any config parse_afd_config can return: every field over its whole accepted range."""
+    attn_per_dp = draw(st.integers(min_value=1, max_value=16))
+    placement = draw(st.sampled_from(PLACEMENTS))
+    ffn_placement = placement == "ffn"  # needs async + gate on Attention, refuses quantized dispatch
+    port = draw(st.integers(min_value=1, max_value=65535))
+    # A probe port may not be the rendezvous port (0, "pick one", never is).
+    metrics_port, health_port = (draw(PROBE_PORTS.filter(lambda p: p != port)) for _ in range(2))
+    return AFDConfig(
+        role=draw(st.sampled_from(ROLES)),
+        num_attention_ranks=attn_per_dp * draw(st.integers(min_value=1, max_value=64)),
+        num_ffn_ranks=draw(st.integers(min_value=1, max_value=1024)),
+        connector=draw(st.sampled_from(sorted(CONNECTORS))),
+        async_dp=True if ffn_placement else draw(st.booleans()),
+        host=draw(HOSTS),
+        port=port,
+        num_stages=draw(st.integers(min_value=1, max_value=64)),
+        compute_gate_on_attention=True if ffn_placement else draw(st.booleans()),
+        attn_ranks_per_dp=attn_per_dp,
+        dynamic_quant=0 if ffn_placement else draw(st.integers(min_value=0, max_value=1)),
+        shared_experts=SharedExpertsConfig(placement=placement, partition=draw(st.sampled_from(PARTITIONS))),
+        metrics_port=metrics_port,
+        health_port=health_port,
+        timeout_seconds=draw(st.floats(min_value=1e-3, max_value=1e6, allow_nan=False)),
+    )
+
+
+@given(afd_configs())
+def test_block_round_trips_through_the_parser(cfg):
+    assert parse_afd_config(cfg.as_additional_config()) == cfg
+    # What a pod reads: the block as JSON on its command line.
+    assert parse_afd_config(json.loads(json.dumps(cfg.as_additional_config()))) == cfg
+
+
+@given(afd_configs())
+def test_block_spells_every_key_canonically(cfg):
+    block = cfg.to_block()
+    assert set(block) <= set(TOP_LEVEL_KEYS) and set(block["connector_extra_config"]) == set(EXTRA_KEYS)
+    assert set(block["shared_experts"]) == set(SHARED_KEYS)
+
+
+def test_build_normalizes_what_users_write_and_lays_extra_config_over_typed_fields():
+    cfg = AFDConfig.build(role="ffn", num_attention_ranks=4, num_ffn_ranks=2, attn_ranks_per_dp=2,
+                          connector="P2PConnector", connector_extra_config={"dynamicQuant": "1"})
+    assert (cfg.connector, cfg.attn_ranks_per_dp, cfg.dynamic_quant) == ("p2p", 2, 1)
+    assert AFDConfig.build(role="ffn", num_attention_ranks=4, num_ffn_ranks=2, attn_ranks_per_dp=2,
+                           connector_extra_config={"attn_ranks_per_dp": 4}).attn_ranks_per_dp == 4
+
+
+@pytest.mark.parametrize("raw,path,rule", [
+    ({"connector": "nixl"}, "afd.connector", "unknown connector"),
+    ({"connector": 7}, "afd.connector", "must be a string"),
+    ({"connector_extra_config": {"foo": 1}}, "afd.connector_extra_config.foo", "unknown key"),
+    ({"connector_extra_config": {"dynamicQuant": "yes"}}, "afd.connector_extra_config.dynamicQuant", "integer"),
+    ({"connector_extra_config": {"attn_ranks_per_dp": 3}}, "afd.connector_extra_config.attn_ranks_per_dp",
+     "must divide afd.num_attention_ranks"),
+])
+def test_build_refuses_what_the_parser_refuses(raw, path, rule):
+    with pytest.raises(AFDConfigError) as info:
+        AFDConfig.build(role="attention", num_attention_ranks=4, num_ffn_ranks=2, **raw)
+    assert info.value.path == path and rule in str(info.value)

@@ -1,4 +1,5 @@
-"""Validating admission: the planner's validation, every problem listed (registered by
+"""Validating admission: `validate_object` (schema, cross-field rules, and the plugin's own
+parser on every pod's afd block), every problem listed with its field path (registered by
 main.register when a webhook server is configured)."""
 
 from __future__ import annotations
