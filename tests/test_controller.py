@@ -6,7 +6,9 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from afd_operator.api import AFDDeploymentSpec
-from afd_operator.controller import Decision, InstanceRecord, decide
+from afd_operator.controller import (
+    CreatePods, Decision, DeletePods, InstanceRecord, RolloutBudget, SetServing, StartDrain, decide, rollout_budget,
+)
 from afd_operator.observe import ObservedPod
 from afd_operator.revision import revision_of
 
@@ -47,10 +49,6 @@ def pods_of(spec: AFDDeploymentSpec, index: int, state: str = "ready", revision:
     return [replace(p, **pod_fields) for p in out]
 
 
-def kinds(d: Decision) -> list[tuple[str, str]]:
-    return [(a.kind, a.role or ",".join(a.pods)) for a in d.actions]
-
-
 def record(spec: AFDDeploymentSpec, index: int, phase: str, revision: Optional[str] = None, **kw: Any) -> InstanceRecord:
     rev = revision or revision_of(spec)
     return InstanceRecord(name=f"d-{rev}-{index}", revision=rev, index=index, phase=phase, **kw)
@@ -64,26 +62,26 @@ def run(spec: AFDDeploymentSpec, pods: list[ObservedPod], records: list[Instance
 def test_new_deployment_starts_ffn_first() -> None:
     spec = spec_of()
     d = run(spec, [], [])
-    assert [(a.kind, a.role, a.index) for a in d.actions] == [("create_pods", "ffn", 0)]
+    assert [(type(a), a.role, a.index) for a in d.actions] == [(CreatePods, "ffn", 0)]
     assert [r.phase for r in d.instances] == ["Pending"]
     # FFN pod created but not Running yet: nothing more.
     pending = pods_of(spec, 0, "pending", roles=("ffn",))
     assert run(spec, pending, d.instances).actions == []
     # FFN Running: Attention pods next.
     running = pods_of(spec, 0, "running", roles=("ffn",))
-    assert [(a.kind, a.role) for a in run(spec, running, d.instances).actions] == [("create_pods", "attention")]
+    assert [(type(a), a.role) for a in run(spec, running, d.instances).actions] == [(CreatePods, "attention")]
 
 
 def test_parallel_start_creates_all_roles_at_once() -> None:
     d = run(spec_of(startup={"order": "Parallel"}), [], [])
-    assert [(a.kind, a.role) for a in d.actions] == [("create_pods", "ffn"), ("create_pods", "attention")]
+    assert [(type(a), a.role) for a in d.actions] == [(CreatePods, "ffn"), (CreatePods, "attention")]
 
 
 def test_ready_instance_gets_serving_label_then_nothing_to_do() -> None:
     spec = spec_of()
     pods = pods_of(spec, 0, "ready")
     d = run(spec, pods, [record(spec, 0, "Starting")])
-    assert [(a.kind, a.serving) for a in d.actions] == [("set_serving", True)]
+    assert [(type(a), a.serving) for a in d.actions] == [(SetServing, True)]
     assert d.became_ready and d.instances[0].phase == "Ready" and d.instances[0].first_ready == NOW
     steady = run(spec, pods_of(spec, 0, "ready", serving=True), d.instances)
     assert steady.actions == [] and steady.events == [] and not steady.rollout_in_progress
@@ -94,7 +92,7 @@ def test_pod_failure_recreates_whole_instance_with_backoff() -> None:
     pods = pods_of(spec, 0, "ready", serving=True)
     pods[1] = replace(pods[1], phase="Failed", ready=False, termination="container attention Error (exit code 3)")
     d = run(spec, pods, [record(spec, 0, "Ready", first_ready=NOW - 50)])
-    assert [(a.kind, sorted(a.pods)) for a in d.actions] == [("delete_pods", sorted(p.name for p in pods))]
+    assert [(type(a), sorted(a.pods)) for a in d.actions] == [(DeletePods, sorted(p.name for p in pods))]
     (rec,) = d.instances
     assert rec.phase == "Failed" and rec.restarts == 1 and rec.consecutive_failures == 1
     assert rec.retry_after == NOW + 10 and "exit code 3" in rec.last_failure
@@ -106,7 +104,7 @@ def test_pod_failure_recreates_whole_instance_with_backoff() -> None:
     # Pods gone but backoff not elapsed: wait; elapsed: recreate (FFN first).
     assert run(spec, [], d2.instances, now=NOW + 5).actions == []
     d3 = run(spec, [], d2.instances, now=NOW + 11)
-    assert [(a.kind, a.role) for a in d3.actions] == [("create_pods", "ffn")]
+    assert [(type(a), a.role) for a in d3.actions] == [(CreatePods, "ffn")]
 
 
 def test_backoff_doubles_and_budget_exhausts_into_degraded() -> None:
@@ -135,7 +133,7 @@ def test_policy_none_leaves_failed_instance() -> None:
     spec = spec_of(recovery={"policy": "None"})
     failed = [replace(p, phase="Failed") for p in pods_of(spec, 0, "running")]
     d = run(spec, failed, [record(spec, 0, "Starting")])
-    assert [a.kind for a in d.actions] == [] and d.instances[0].phase == "Failed"
+    assert [type(a) for a in d.actions] == [] and d.instances[0].phase == "Failed"
     again = run(spec, failed, d.instances)
     assert again.actions == [] and again.degraded
 
@@ -149,7 +147,7 @@ def test_missing_pod_and_unready_past_grace_fail_the_instance() -> None:
     unready[0] = replace(unready[0], ready=False, ready_changed_at=NOW - 10)
     d = run(spec, unready, was_ready)
     assert d.instances[0].phase != "Failed" and d.next_wakeup == NOW + 20  # grace 30 - 10 elapsed
-    assert [(a.kind, a.serving) for a in d.actions] == [("set_serving", False)]  # stop serving at once
+    assert [(type(a), a.serving) for a in d.actions] == [(SetServing, False)]  # stop serving at once
     # Still unready on the next pass (phase is no longer Ready): the grace keeps counting.
     assert run(spec, unready, d.instances).instances[0].phase == "Starting"
     unready[0] = replace(unready[0], ready_changed_at=NOW - 31)
@@ -168,17 +166,17 @@ def test_scale_down_drains_highest_index_in_order() -> None:
     pods = pods_of(spec, 0, "ready", serving=True) + pods_of(spec, 1, "ready", serving=True)
     recs = [record(spec, 0, "Ready"), record(spec, 1, "Ready")]
     d = run(spec, pods, recs)
-    assert [(a.kind, a.pods) for a in d.actions] == [("start_drain", (f"d-{revision_of(spec)}-1-attn-0",))]
+    assert [(type(a), a.pods) for a in d.actions] == [(StartDrain, (f"d-{revision_of(spec)}-1-attn-0",))]
     # Drain started: wait drainSeconds, then Attention pods, then FFN pods, then gone.
     started = [replace(p, drain_started_at=NOW, serving=False) if p.index == 1 and p.head else p for p in pods]
     recs = d.instances
     assert [r.phase for r in recs] == ["Ready", "Draining"]
-    assert [a for a in run(spec, started, recs, now=NOW + 5).actions if a.kind != "set_serving"] == []
+    assert [a for a in run(spec, started, recs, now=NOW + 5).actions if not isinstance(a, SetServing)] == []
     d = run(spec, started, recs, now=NOW + 21)
-    assert [(a.kind, len(a.pods)) for a in d.actions] == [("delete_pods", 2)]
+    assert [(type(a), len(a.pods)) for a in d.actions] == [(DeletePods, 2)]
     no_attention = [p for p in started if not (p.index == 1 and p.role == "attention")]
     d = run(spec, no_attention, d.instances, now=NOW + 22)
-    assert [(a.kind, a.pods) for a in d.actions] == [("delete_pods", (f"d-{revision_of(spec)}-1-ffn-0",))]
+    assert [(type(a), a.pods) for a in d.actions] == [(DeletePods, (f"d-{revision_of(spec)}-1-ffn-0",))]
     d = run(spec, [p for p in no_attention if p.index == 0], d.instances, now=NOW + 23)
     assert [r.index for r in d.instances] == [0] and "d-" in next(iter(d.gone))
 
@@ -194,22 +192,22 @@ def test_rolling_update_surges_then_drains_old() -> None:
     pods = pods_of(old, 0, "ready", serving=True)
     recs = [record(old, 0, "Ready")]
     d = run(new, pods, recs)
-    assert [(a.kind, a.role, a.revision, a.index) for a in d.actions] == [("create_pods", "ffn", r_new, 1)]
+    assert [(type(a), a.role, a.revision, a.index) for a in d.actions] == [(CreatePods, "ffn", r_new, 1)]
     assert d.rollout_in_progress
     # New instance starting: the old one keeps serving.
     new_pods = pods_of(new, 1, "running")
     d = run(new, pods + new_pods, d.instances)
-    assert not any(a.kind in ("start_drain", "delete_pods") for a in d.actions)
+    assert not any(isinstance(a, (StartDrain, DeletePods)) for a in d.actions)
     # New Ready: old drains; the floor (replicas - maxUnavailable = 1) holds.
     d = run(new, pods + pods_of(new, 1, "ready", serving=True), d.instances)
-    assert [(a.kind, a.pods) for a in d.actions] == [("start_drain", (f"d-{r_old}-0-attn-0",))]
+    assert [(type(a), a.pods) for a in d.actions] == [(StartDrain, (f"d-{r_old}-0-attn-0",))]
 
 
 def test_max_surge_zero_drains_first() -> None:
     old = spec_of(updateStrategy={"maxSurge": 0, "maxUnavailable": 1})
     new = rolled(old, image="img:v2", updateStrategy={"maxSurge": 0, "maxUnavailable": 1})
     d = run(new, pods_of(old, 0, "ready", serving=True), [record(old, 0, "Ready")])
-    assert [a.kind for a in d.actions] == ["start_drain"]
+    assert [type(a) for a in d.actions] == [StartDrain]
 
 
 def test_partition_keeps_old_instances() -> None:
@@ -219,7 +217,7 @@ def test_partition_keeps_old_instances() -> None:
         pods_of(new, 2, "ready", serving=True)
     recs = [record(old, 0, "Ready"), record(old, 1, "Ready"), record(new, 2, "Ready")]
     d = run(new, pods, recs)
-    assert [(a.kind, a.pods) for a in d.actions] == [("start_drain", (f"d-{revision_of(old)}-1-attn-0",))]
+    assert [(type(a), a.pods) for a in d.actions] == [(StartDrain, (f"d-{revision_of(old)}-1-attn-0",))]
     after = [p for p in pods if p.index != 1]
     d = run(new, after, [r for r in d.instances if r.index != 1])
     assert d.actions == []  # one old instance kept
@@ -238,10 +236,10 @@ def test_revert_mid_rollout_keeps_serving_old_and_deletes_unready_new() -> None:
     pods = pods_of(old, 0, "ready", serving=True) + pods_of(new, 1, "running")
     recs = [record(old, 0, "Ready"), record(new, 1, "Starting")]
     d = run(old, pods, recs)  # the spec went back to the old revision
-    deleted = [p for a in d.actions if a.kind == "delete_pods" for p in a.pods]
+    deleted = [p for a in d.actions if isinstance(a, DeletePods) for p in a.pods]
     # Ordered drain of the never-Ready instance: its Attention pods go first.
     assert sorted(deleted) == sorted(p.name for p in pods if p.index == 1 and p.role == "attention")
-    assert not any(a.kind == "start_drain" for a in d.actions)
+    assert not any(isinstance(a, StartDrain) for a in d.actions)
 
 
 def test_quick_updates_skip_intermediate_revisions() -> None:
@@ -249,11 +247,11 @@ def test_quick_updates_skip_intermediate_revisions() -> None:
     pods = pods_of(v1, 0, "ready", serving=True) + pods_of(v2, 1, "running", roles=("ffn",))
     recs = [record(v1, 0, "Ready"), record(v2, 1, "Pending")]
     d = run(v3, pods, recs)
-    assert [(a.kind, a.pods) for a in d.actions if a.kind == "delete_pods"] == [
-        ("delete_pods", (f"d-{revision_of(v2)}-1-ffn-0",))]
+    assert [(type(a), a.pods) for a in d.actions if isinstance(a, DeletePods)] == [
+        (DeletePods, (f"d-{revision_of(v2)}-1-ffn-0",))]
     # The v2 slot is still in use until its pod is gone: v3 takes index 2 within the surge
     # budget only after v2 stops counting.
-    assert not any(a.kind == "create_pods" and a.index == 1 for a in d.actions)
+    assert not any(isinstance(a, CreatePods) and a.index == 1 for a in d.actions)
 
 
 def test_recreate_drains_all_then_creates() -> None:
@@ -261,15 +259,15 @@ def test_recreate_drains_all_then_creates() -> None:
     new = rolled(old, replicas=2, image="img:v2", updateStrategy={"type": "Recreate"})
     pods = pods_of(old, 0, "ready", serving=True) + pods_of(old, 1, "ready", serving=True)
     d = run(new, pods, [record(old, 0, "Ready"), record(old, 1, "Ready")])
-    assert sorted(a.kind for a in d.actions) == ["start_drain", "start_drain"]
-    assert run(new, [], []).actions[0].kind == "create_pods"
+    assert [type(a) for a in d.actions] == [StartDrain, StartDrain]
+    assert isinstance(run(new, [], []).actions[0], CreatePods)
 
 
 def test_deletion_drains_everything() -> None:
     spec = spec_of(replicas=2)
     pods = pods_of(spec, 0, "ready", serving=True) + pods_of(spec, 1, "running")
     d = run(spec, pods, [record(spec, 0, "Ready"), record(spec, 1, "Starting")], deleting=True)
-    assert sorted(a.kind for a in d.actions) == ["delete_pods", "start_drain"]
+    assert sorted(type(a).__name__ for a in d.actions) == ["DeletePods", "StartDrain"]
     done = run(spec, [], d.instances, deleting=True)
     assert done.instances == [] and len(done.gone) == 2
 
@@ -281,7 +279,7 @@ def test_old_revision_judged_by_its_own_layout() -> None:
     layouts = {revision_of(old): {"ffn": 1, "attention": 2}}
     d = decide(new, "d", revision_of(new), pods, [record(old, 0, "Ready")], NOW, layouts=layouts)
     # The complete, Ready old world keeps serving while the new one is created.
-    assert [(a.kind, a.role, a.index) for a in d.actions] == [("create_pods", "ffn", 1)]
+    assert [(type(a), a.role, a.index) for a in d.actions] == [(CreatePods, "ffn", 1)]
     assert [r.phase for r in d.instances] == ["Ready", "Pending"]
 
 
@@ -293,4 +291,10 @@ def test_drain_ends_early_when_head_reports_idle() -> None:
     assert run(spec, pods, rec).actions == []  # busy (or unknown): wait the window
     head = next(p.name for p in pods if p.head)
     d = decide(spec, "d", revision_of(spec), pods, rec, NOW, idle_heads=frozenset({head}))
-    assert [(a.kind, len(a.pods)) for a in d.actions] == [("delete_pods", 2)]
+    assert [(type(a), len(a.pods)) for a in d.actions] == [(DeletePods, 2)]
+
+
+def test_rollout_budget_rounds_surge_up_and_unavailable_down() -> None:
+    spec = spec_of(replicas=3, updateStrategy={"maxSurge": "50%", "maxUnavailable": "50%"})
+    assert rollout_budget(spec) == RolloutBudget(surge=2, unavailable=1, floor=2)
+    assert rollout_budget(spec_of(replicas=0)) == RolloutBudget(surge=1, unavailable=0, floor=0)

@@ -15,14 +15,12 @@ ports are offset by the index, so live instances never share ports on a node.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Union
 
-from .api import AFDDeploymentSpec, UpdateStrategySpec
+from .api import AFDDeploymentSpec, Phase, UpdateStrategySpec
 from .observe import ObservedPod
 from .planner import attention_layout, ffn_layout
 from .validation import resolve_int_or_percent
-
-READY, STARTING, PENDING, DRAINING, FAILED = "Ready", "Starting", "Pending", "Draining", "Failed"
 
 
 @dataclass(frozen=True)
@@ -32,7 +30,7 @@ class InstanceRecord:
     name: str
     revision: str
     index: int
-    phase: str
+    phase: Phase
     restarts: int = 0
     consecutive_failures: int = 0
     last_failure: Optional[str] = None
@@ -40,15 +38,41 @@ class InstanceRecord:
     first_ready: Optional[float] = None  # set once the world has been Ready; cleared when it is recreated
 
 
+# -- actions: what the reconciler must write ------------------------------------------------
 @dataclass(frozen=True)
-class Action:
-    kind: str  # create_pods | set_serving | start_drain | delete_pods
+class CreatePods:
+    """Create every pod of one role of an instance (of the current revision)."""
+
     instance: str
-    revision: str = ""
-    index: int = -1
-    role: str = ""
-    pods: tuple[str, ...] = ()
-    serving: bool = False
+    revision: str
+    index: int
+    role: str
+
+
+@dataclass(frozen=True)
+class SetServing:
+    """Add (serving) or remove the serving label of Attention heads."""
+
+    instance: str
+    pods: tuple[str, ...]
+    serving: bool
+
+
+@dataclass(frozen=True)
+class StartDrain:
+    """Take heads out of the Service and stamp when their drain started."""
+
+    instance: str
+    pods: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DeletePods:
+    instance: str
+    pods: tuple[str, ...]
+
+
+Action = Union[CreatePods, SetServing, StartDrain, DeletePods]
 
 
 @dataclass(frozen=True)
@@ -58,13 +82,30 @@ class Event:
     message: str
 
 
+@dataclass(frozen=True)
+class RolloutBudget:
+    """updateStrategy resolved against replicas: how far a rollout may go above and below."""
+
+    surge: int  # instances above replicas
+    unavailable: int  # instances below replicas
+    floor: int  # Ready instances a rollout keeps: replicas - unavailable
+
+
+def rollout_budget(spec: AFDDeploymentSpec) -> RolloutBudget:
+    total = max(spec.replicas, 1)
+    us = spec.update_strategy
+    unavailable = resolve_int_or_percent(us.max_unavailable, total, round_up=False)
+    return RolloutBudget(surge=resolve_int_or_percent(us.max_surge, total, round_up=True),
+                         unavailable=unavailable, floor=max(spec.replicas - unavailable, 0))
+
+
 @dataclass
 class InstanceView:
     """One instance as this decision sees it."""
 
     record: InstanceRecord
     pods: list[ObservedPod]
-    previous_phase: str = PENDING  # as the last status recorded it
+    previous_phase: Phase = Phase.PENDING  # as the last status recorded it
     draining: bool = False
     failure: Optional[str] = None
     exhausted: bool = False
@@ -116,22 +157,22 @@ def backoff_seconds(spec: AFDDeploymentSpec, consecutive_failures: int) -> float
     return float(min(rec.backoff_seconds * 2 ** max(consecutive_failures - 1, 0), rec.max_backoff_seconds))
 
 
-def _phase(view: InstanceView, expected: dict[str, int], policy: str) -> str:
+def _phase(view: InstanceView, expected: dict[str, int], policy: str) -> Phase:
     if view.draining:
-        return DRAINING
+        return Phase.DRAINING
     rec = view.record
     if view.failure or view.exhausted:
-        return FAILED
+        return Phase.FAILED
     # A failed instance stays Failed while it is torn down, waits for its retry, or is left
     # alone (recovery.policy None).
-    if rec.phase == FAILED and (not view.pods or any(p.deleting for p in view.pods) or policy == "None"):
-        return FAILED
+    if rec.phase == Phase.FAILED and (not view.pods or any(p.deleting for p in view.pods) or policy == "None"):
+        return Phase.FAILED
     complete = all(len(view.of_role(role)) == count for role, count in expected.items())
     if complete and all(p.ready for p in view.pods):
-        return READY
+        return Phase.READY
     if complete and all(p.phase == "Running" for p in view.pods):
-        return STARTING
-    return PENDING
+        return Phase.STARTING
+    return Phase.PENDING
 
 
 def _detect_failure(view: InstanceView, spec: AFDDeploymentSpec, expected: dict[str, int], now: float) -> Optional[str]:
@@ -173,25 +214,50 @@ def _views(records: Iterable[InstanceRecord], pods: Iterable[ObservedPod]) -> di
     for pod in pods:
         if pod.instance not in views:
             views[pod.instance] = InstanceView(
-                record=InstanceRecord(name=pod.instance, revision=pod.revision, index=pod.index, phase=PENDING),
+                record=InstanceRecord(name=pod.instance, revision=pod.revision, index=pod.index, phase=Phase.PENDING),
                 pods=[],
             )
         views[pod.instance].pods.append(pod)
     for view in views.values():
         view.previous_phase = view.record.phase
         view.pods.sort(key=lambda p: (p.role, p.ordinal))
-        view.draining = view.record.phase == DRAINING or any(p.drain_started_at is not None for p in view.pods)
+        view.draining = view.record.phase == Phase.DRAINING or any(p.drain_started_at is not None for p in view.pods)
     return views
 
 
-class _Planner:
-    """Accumulates one decision; methods read like the rules they implement."""
+def _old_instances_kept(us: UpdateStrategySpec, old_count: int) -> int:
+    """Old-revision instances a rollout keeps: the partition (RollingUpdate), none (Recreate)."""
+    return min(us.partition, old_count) if us.type == "RollingUpdate" else 0
+
+
+def _pick(views: list[InstanceView], count: int) -> list[InstanceView]:
+    """Instances to remove first: those that stay down, not Ready ones, then the highest index."""
+    return sorted(views, key=lambda v: (not v.exhausted, v.record.phase == Phase.READY, -v.index))[:max(count, 0)]
+
+
+@dataclass
+class _Fleet:
+    """The live (not draining) instances, sorted by what the rollout does with them."""
+
+    current: list[InstanceView]  # the spec's revision, able to run
+    exhausted_current: list[InstanceView]  # the spec's revision, past the restart budget
+    old: list[InstanceView]  # other revisions
+    kept: list[InstanceView] = field(default_factory=list)  # old instances a partition keeps
+    excess_old: list[InstanceView] = field(default_factory=list)  # old instances still to replace
+    serving: int = 0  # Ready instances left after this decision's drains
+
+
+class _Decider:
+    """Accumulates one decision; each step of `decide` is one method, named for its rule."""
 
     def __init__(self, spec: AFDDeploymentSpec, name: str, revision: str, now: float,
-                 layouts: Mapping[str, Mapping[str, int]], idle_heads: frozenset[str]):
+                 layouts: Mapping[str, Mapping[str, int]], idle_heads: frozenset[str],
+                 views: dict[str, InstanceView]):
         self.spec, self.name, self.revision, self.now = spec, name, revision, now
         self.idle_heads = idle_heads
         self.layouts = {**layouts, revision: expected_pods(spec)}
+        self.views = views
+        self.budget = rollout_budget(spec)
         self.decision = Decision()
 
     def expected(self, view: InstanceView) -> dict[str, int]:
@@ -202,7 +268,128 @@ class _Planner:
             return dict(known)
         return {role: len(view.of_role(role)) for role in ("ffn", "attention")}
 
-    # -- draining ------------------------------------------------------------------------
+    def phase_of(self, view: InstanceView) -> Phase:
+        return _phase(view, self.expected(view), self.spec.recovery.policy)
+
+    # -- 1. classify ----------------------------------------------------------------------
+    def classify(self) -> None:
+        """Failures of live instances (draining ones are on their way out anyway, failed
+        ones are already being handled) and instances past their restart budget."""
+        for view in self.views.values():
+            if not view.draining and view.pods and view.record.phase != Phase.FAILED:
+                view.failure = _detect_failure(view, self.spec, self.expected(view), self.now)
+            view.exhausted = (view.record.phase == Phase.FAILED
+                              and view.record.consecutive_failures > self.spec.recovery.max_restarts)
+
+    def fleet(self) -> _Fleet:
+        alive = [v for v in self.views.values() if not v.draining]
+        for v in alive:
+            v.record = replace(v.record, phase=self.phase_of(v))
+        return _Fleet(
+            current=[v for v in alive if v.revision == self.revision and not v.exhausted],
+            exhausted_current=[v for v in alive if v.revision == self.revision and v.exhausted],
+            old=[v for v in alive if v.revision != self.revision],
+            serving=sum(1 for v in alive if v.record.phase == Phase.READY),
+        )
+
+    # -- 2. old instances that never served ------------------------------------------------
+    def drop_unserved_old(self, fleet: _Fleet) -> None:
+        """Old instances that do not serve (never Ready, failed) go at once: quick successive
+        updates and reverts never wait on them."""
+        for v in [v for v in fleet.old if v.record.phase != Phase.READY]:
+            self.drain(v, f"revision {v.revision} replaced by {self.revision} before it served")
+            fleet.old.remove(v)
+
+    # -- 3. the partition ----------------------------------------------------------------
+    def keep_partition(self, fleet: _Fleet) -> None:
+        """Old Ready instances a partition keeps; exhausted old ones are replaced like the rest."""
+        old_ready = sorted(fleet.old, key=lambda v: v.index)
+        fleet.kept = old_ready[:_old_instances_kept(self.spec.update_strategy, len(old_ready))]
+        fleet.excess_old = [v for v in old_ready if v not in fleet.kept]
+
+    def wanted_current(self, fleet: _Fleet) -> int:
+        return max(self.spec.replicas - len(fleet.kept), 0)
+
+    # -- 4. scale down ---------------------------------------------------------------------
+    def scale_down(self, fleet: _Fleet) -> None:
+        """Instances that stay down first, then not Ready ones, then the highest index."""
+        excess = len(fleet.current) + len(fleet.exhausted_current) - self.wanted_current(fleet)
+        if excess <= 0:
+            return
+        for v in _pick(fleet.exhausted_current + fleet.current, excess):
+            if v.record.phase == Phase.READY:
+                fleet.serving -= 1
+            self.drain(v, f"scaling down to {self.spec.replicas} instance(s)")
+            (fleet.exhausted_current if v in fleet.exhausted_current else fleet.current).remove(v)
+
+    # -- 5. replace old instances ------------------------------------------------------------
+    def replace_old(self, fleet: _Fleet) -> None:
+        """Recreate drains every old instance; RollingUpdate drains old Ready instances while
+        serving instances stay >= the budget's floor."""
+        if self.spec.update_strategy.type == "Recreate":
+            for v in fleet.excess_old:
+                self.drain(v, f"Recreate: replacing revision {v.revision} with {self.revision}")
+            fleet.excess_old = []
+            return
+        for v in sorted(fleet.excess_old, key=lambda v: -v.index):
+            if fleet.serving - 1 < self.budget.floor:
+                break
+            fleet.serving -= 1
+            self.drain(v, f"rolling update to revision {self.revision}")
+            fleet.excess_old.remove(v)
+
+    # -- 6. create instances ---------------------------------------------------------------
+    def create_instances(self, fleet: _Fleet) -> None:
+        """Current-revision instances within replicas + maxSurge (draining ones still hold
+        devices, so they count). Recreate waits until the old revision is gone."""
+        in_flight = sum(1 for v in self.views.values() if v.draining)
+        total = (len(fleet.current) + len(fleet.excess_old) + len(fleet.kept) + in_flight
+                 + len(fleet.exhausted_current))
+        old_left = any(v.revision != self.revision for v in self.views.values())
+        may_create = self.spec.update_strategy.type == "RollingUpdate" or not old_left
+        used = {v.index for v in self.views.values()}
+        limit = self.spec.replicas + self.budget.surge
+        while may_create and len(fleet.current) + len(fleet.exhausted_current) < self.wanted_current(fleet) \
+                and total < limit:
+            index = next(i for i in range(len(used) + 1) if i not in used)
+            used.add(index)
+            rec = InstanceRecord(name=f"{self.name}-{self.revision}-{index}", revision=self.revision, index=index,
+                                 phase=Phase.PENDING)
+            view = InstanceView(record=rec, pods=[])
+            self.views[rec.name] = view
+            fleet.current.append(view)
+            total += 1
+            self.decision.events.append(Event("Normal", "CreatingInstance",
+                                              f"instance {rec.name} (revision {self.revision})"))
+
+    # -- 7. bring instances up, keep serving labels true --------------------------------------
+    def advance_creation(self, view: InstanceView) -> None:
+        """Create the next wave of an instance's pods (FFN first when asked)."""
+        if view.record.retry_after is not None and view.record.retry_after > self.now:
+            self.decision.wake_at(view.record.retry_after)
+            return
+        if view.exhausted or view.failure or any(p.deleting for p in view.pods):
+            return  # the previous world's pods must be gone before names are reused
+        act = self.decision.actions
+        expected = self.expected(view)
+        missing_ffn = len(view.of_role("ffn")) < expected["ffn"]
+        if missing_ffn:
+            act.append(CreatePods(view.name, view.revision, view.index, role="ffn"))
+        ffn_running = not missing_ffn and all(p.phase == "Running" for p in view.of_role("ffn"))
+        start_attention = self.spec.startup.order == "Parallel" or ffn_running
+        if start_attention and len(view.of_role("attention")) < expected["attention"]:
+            act.append(CreatePods(view.name, view.revision, view.index, role="attention"))
+
+    def label_serving(self) -> None:
+        for v in self.views.values():
+            head = v.head
+            if v.draining or v.failure or head is None or head.deleting:
+                continue
+            want_serving = self.phase_of(v) == Phase.READY
+            if head.serving != want_serving:
+                self.decision.actions.append(SetServing(v.name, pods=(head.name,), serving=want_serving))
+
+    # -- 8. drains and timers --------------------------------------------------------------
     def drain(self, view: InstanceView, reason: str) -> None:
         """Advance the ordered drain of an instance by one step."""
         act = self.decision.actions
@@ -215,7 +402,7 @@ class _Planner:
         head = view.head
         serving = head is not None and (head.serving or head.drain_started_at is not None)
         if serving and head.drain_started_at is None:
-            act.append(Action("start_drain", view.name, pods=(head.name,)))
+            act.append(StartDrain(view.name, pods=(head.name,)))
             self.decision.wake_at(self.now + self.spec.termination.drain_seconds)
             return
         window_open = serving and self.now < head.drain_started_at + self.spec.termination.drain_seconds
@@ -224,26 +411,44 @@ class _Planner:
             return
         attention = [p for p in view.of_role("attention") if not p.deleting]
         if attention:
-            act.append(Action("delete_pods", view.name, pods=tuple(p.name for p in attention)))
+            act.append(DeletePods(view.name, pods=tuple(p.name for p in attention)))
             return
         if view.of_role("attention"):
             return  # Attention pods still terminating: the FFN side goes last
         ffn = [p for p in view.of_role("ffn") if not p.deleting]
         if ffn:
-            act.append(Action("delete_pods", view.name, pods=tuple(p.name for p in ffn)))
+            act.append(DeletePods(view.name, pods=tuple(p.name for p in ffn)))
+
+    def continue_drains(self) -> None:
+        stepped = {a.instance for a in self.decision.actions if isinstance(a, (StartDrain, DeletePods))}
+        for v in self.views.values():
+            if v.draining and v.name not in self.decision.gone and v.name not in stepped:
+                self.drain(v, "")
+
+    def watch_timers(self) -> None:
+        """Wake up when startup timeouts and unready grace periods elapse."""
+        spec, d = self.spec, self.decision
+        for v in self.views.values():
+            if v.draining or v.record.phase == Phase.FAILED:
+                continue
+            for pod in v.pods:
+                if pod.created_at is not None and v.record.first_ready is None:
+                    d.wake_at(pod.created_at + spec.startup.timeout_seconds)
+                if not pod.ready and pod.ready_changed_at is not None and v.record.first_ready is not None:
+                    d.wake_at(pod.ready_changed_at + spec.recovery.unready_grace_seconds)
 
     # -- failures ------------------------------------------------------------------------
     def handle_failure(self, view: InstanceView) -> None:
         rec, spec = view.record, self.spec
         if spec.recovery.policy == "None":
-            view.record = replace(rec, phase=FAILED, last_failure=view.failure)
+            view.record = replace(rec, phase=Phase.FAILED, last_failure=view.failure)
             self.decision.events.append(Event("Warning", "InstanceFailed",
                                               f"instance {view.name} failed: {view.failure}; recovery.policy is None"))
             return
         failures = rec.consecutive_failures + 1
         exhausted = failures > spec.recovery.max_restarts
         retry = None if exhausted else self.now + backoff_seconds(spec, failures)
-        view.record = replace(rec, phase=FAILED, consecutive_failures=failures, last_failure=view.failure,
+        view.record = replace(rec, phase=Phase.FAILED, consecutive_failures=failures, last_failure=view.failure,
                               restarts=rec.restarts if exhausted else rec.restarts + 1, retry_after=retry,
                               first_ready=None)
         view.exhausted = exhausted
@@ -259,35 +464,64 @@ class _Planner:
         # A world cannot survive the loss of a rank: take the whole instance down at once.
         live = [p for p in view.pods if not p.deleting]
         if live:
-            self.decision.actions.append(Action("delete_pods", view.name, pods=tuple(p.name for p in live)))
+            self.decision.actions.append(DeletePods(view.name, pods=tuple(p.name for p in live)))
 
-    # -- creation ------------------------------------------------------------------------
-    def advance_creation(self, view: InstanceView) -> None:
-        """Create the next wave of an instance's pods (FFN first when asked)."""
-        if view.record.retry_after is not None and view.record.retry_after > self.now:
-            self.decision.wake_at(view.record.retry_after)
-            return
-        if view.exhausted or view.failure or any(p.deleting for p in view.pods):
-            return  # the previous world's pods must be gone before names are reused
-        act = self.decision.actions
-        expected = self.expected(view)
-        missing_ffn = len(view.of_role("ffn")) < expected["ffn"]
-        if missing_ffn:
-            act.append(Action("create_pods", view.name, view.revision, view.index, role="ffn"))
-        ffn_running = not missing_ffn and all(p.phase == "Running" for p in view.of_role("ffn"))
-        start_attention = self.spec.startup.order == "Parallel" or ffn_running
-        if start_attention and len(view.of_role("attention")) < expected["attention"]:
-            act.append(Action("create_pods", view.name, view.revision, view.index, role="attention"))
+    # -- 9. rollout progress ----------------------------------------------------------------
+    def report_progress(self, fleet: _Fleet, paused: bool) -> None:
+        d, revision, replicas = self.decision, self.revision, self.spec.replicas
+        old_remaining = [v for v in self.views.values() if v.revision != revision]
+        # An instance whose pods could not be scheduled is retried with backoff; until it runs,
+        # the rollout says why it is stuck instead of waiting silently.
+        unschedulable = [v for v in fleet.current if v.record.phase == Phase.FAILED
+                         and (v.record.last_failure or "").startswith("Unschedulable")]
+        wanted = max(replicas - _old_instances_kept(self.spec.update_strategy, len(old_remaining)), 0)
+        d.rollout_in_progress = bool(old_remaining) or len(fleet.current) != wanted or \
+            any(v.record.phase != Phase.READY for v in fleet.current)
+        if paused:
+            d.progress_reason, d.progress_message = "Paused", "updateStrategy.paused is set"
+        elif unschedulable:
+            d.progress_reason = "SurgeUnschedulable" if old_remaining else "Unschedulable"
+            d.progress_message = f"instance {unschedulable[0].name}: {unschedulable[0].record.last_failure}"
+        elif d.rollout_in_progress:
+            d.progress_reason = "RollingUpdate" if old_remaining else "Scaling"
+            ready = sum(1 for v in fleet.current if v.record.phase == Phase.READY)
+            d.progress_message = (f"{ready}/{replicas} instance(s) of revision {revision} Ready, "
+                                  f"{len(old_remaining)} of other revisions left")
 
-
-def _old_instances_kept(us: UpdateStrategySpec, old_count: int) -> int:
-    """Old-revision instances a rollout keeps: the partition (RollingUpdate), none (Recreate)."""
-    return min(us.partition, old_count) if us.type == "RollingUpdate" else 0
-
-
-def _pick(views: list[InstanceView], count: int) -> list[InstanceView]:
-    """Instances to remove first: those that stay down, not Ready ones, then the highest index."""
-    return sorted(views, key=lambda v: (not v.exhausted, v.record.phase == READY, -v.index))[:max(count, 0)]
+    # -- the new status records --------------------------------------------------------------
+    def finish(self) -> Decision:
+        d, spec, now = self.decision, self.spec, self.now
+        # New serving heads join the Service before old ones leave it, so a surge never dips.
+        d.actions.sort(key=lambda a: 0 if isinstance(a, SetServing) and a.serving else 1)
+        for view in sorted(self.views.values(), key=lambda v: (v.index, v.revision)):
+            if view.name in d.gone:
+                continue
+            phase = self.phase_of(view)
+            rec = view.record
+            if phase == Phase.READY and rec.first_ready is None:
+                created = min((pod.created_at for pod in view.pods if pod.created_at is not None), default=now)
+                d.became_ready.append((view.name, now - created))
+            if phase != view.previous_phase:
+                d.events.append(Event("Normal" if phase != Phase.FAILED else "Warning", "InstancePhase",
+                                      f"instance {view.name}: {view.previous_phase} -> {phase}"))
+            if phase == Phase.FAILED and view.exhausted:
+                d.degraded.append(f"instance {view.name} stays down after {rec.consecutive_failures} consecutive "
+                                  f"failures (recovery.maxRestarts {spec.recovery.max_restarts}): {rec.last_failure}")
+            elif phase == Phase.FAILED and spec.recovery.policy == "None":
+                d.degraded.append(f"instance {view.name} failed and recovery.policy is None: {rec.last_failure}")
+            # A world that crashes soon after becoming Ready must not restart forever: only one
+            # that stayed Ready for recovery.stableSeconds has recovered.
+            recovered = (phase == Phase.READY and rec.first_ready is not None
+                         and now - rec.first_ready >= spec.recovery.stable_seconds)
+            if phase == Phase.READY and rec.consecutive_failures and not recovered:
+                d.wake_at((rec.first_ready or now) + spec.recovery.stable_seconds)
+            d.instances.append(replace(
+                rec, phase=phase,
+                first_ready=now if phase == Phase.READY and rec.first_ready is None else rec.first_ready,
+                consecutive_failures=0 if recovered else rec.consecutive_failures,
+                retry_after=None if phase != Phase.FAILED else rec.retry_after,
+            ))
+        return d
 
 
 def decide(
@@ -305,177 +539,28 @@ def decide(
     per role of older revisions (from their snapshots), so their instances are judged by
     their own shape; `idle_heads` are draining heads that report no running request, whose
     drain need not wait out termination.drainSeconds."""
-    p = _Planner(spec, name, revision, now, layouts, idle_heads)
-    d = p.decision
-    views = _views(records, pods)
-
-    # 1. Classify: failures of live instances (draining ones are on their way out anyway,
-    #    failed ones are already being handled).
-    for view in views.values():
-        if not view.draining and view.pods and view.record.phase != FAILED:
-            view.failure = _detect_failure(view, spec, p.expected(view), now)
-        view.exhausted = view.record.phase == FAILED and view.record.consecutive_failures > spec.recovery.max_restarts
-
+    step = _Decider(spec, name, revision, now, layouts, idle_heads, _views(records, pods))
+    step.classify()
     if deleting:
-        for view in views.values():
-            p.drain(view, "AFDDeployment is being deleted")
-        return _finish(p, views)
-
-    for view in views.values():
+        for view in step.views.values():
+            step.drain(view, "AFDDeployment is being deleted")
+        return step.finish()
+    for view in step.views.values():
         if view.failure and not view.draining:
-            p.handle_failure(view)
-
-    alive = [v for v in views.values() if not v.draining]
-    current = [v for v in alive if v.revision == revision and not v.exhausted]
-    old = [v for v in alive if v.revision != revision]
-    exhausted_current = [v for v in alive if v.revision == revision and v.exhausted]
-
-    replicas = spec.replicas
-    us = spec.update_strategy
-    surge = resolve_int_or_percent(us.max_surge, max(replicas, 1), round_up=True)
-    unavailable = resolve_int_or_percent(us.max_unavailable, max(replicas, 1), round_up=False)
-    floor = max(replicas - unavailable, 0)
-
-    def phase_of(v: InstanceView) -> str:
-        return _phase(v, p.expected(v), spec.recovery.policy)
-
-    for v in alive:
-        v.record = replace(v.record, phase=phase_of(v))
-    serving = sum(1 for v in alive if v.record.phase == READY)
-    paused_rollout = us.paused and bool(old)
-
-    if not paused_rollout:
-        # 2. Old instances that do not serve (never Ready, failed) go at once: quick
-        #    successive updates and reverts never wait on them.
-        for v in [v for v in old if v.record.phase != READY]:
-            p.drain(v, f"revision {v.revision} replaced by {revision} before it served")
-            old.remove(v)
-        # 3. Exhausted old instances are dropped too (the new revision replaces them).
-        old_ready = sorted(old, key=lambda v: v.index)
-        kept = old_ready[:_old_instances_kept(us, len(old_ready))]
-        excess_old = [v for v in old_ready if v not in kept]
-        want_current = max(replicas - len(kept), 0)
-
-        # 4. Scale down the current revision: instances that stay down first, then not
-        #    Ready ones, then the highest index.
-        excess = len(current) + len(exhausted_current) - want_current
-        if excess > 0:
-            for v in _pick(exhausted_current + current, excess):
-                if v.record.phase == READY:
-                    serving -= 1
-                p.drain(v, f"scaling down to {replicas} instance(s)")
-                (exhausted_current if v in exhausted_current else current).remove(v)
-
-        if us.type == "Recreate":
-            for v in excess_old:
-                p.drain(v, f"Recreate: replacing revision {v.revision} with {revision}")
-            excess_old = []
-        else:
-            # 5. Drain old Ready instances while serving instances stay >= replicas - maxUnavailable.
-            for v in sorted(excess_old, key=lambda v: -v.index):
-                if serving - 1 < floor:
-                    break
-                serving -= 1
-                p.drain(v, f"rolling update to revision {revision}")
-                excess_old.remove(v)
-
-        # 6. Create current-revision instances within replicas + maxSurge (draining ones still
-        #    hold devices, so they count). Recreate waits until the old revision is gone.
-        in_flight = sum(1 for v in views.values() if v.draining)
-        total = len(current) + len(excess_old) + len(kept) + in_flight + len(exhausted_current)
-        old_left = any(v.revision != revision for v in views.values())
-        may_create = us.type == "RollingUpdate" or not old_left
-        used = {v.index for v in views.values()}
-        while may_create and len(current) + len(exhausted_current) < want_current and total < replicas + surge:
-            index = next(i for i in range(len(used) + 1) if i not in used)
-            used.add(index)
-            rec = InstanceRecord(name=f"{name}-{revision}-{index}", revision=revision, index=index, phase=PENDING)
-            view = InstanceView(record=rec, pods=[])
-            views[rec.name] = view
-            current.append(view)
-            total += 1
-            d.events.append(Event("Normal", "CreatingInstance", f"instance {rec.name} (revision {revision})"))
-
-    # 7. Bring live current instances up; keep serving labels true to readiness.
-    for v in current:
-        if not v.failure:
-            p.advance_creation(v)
-    for v in views.values():
-        head = v.head
-        if v.draining or v.failure or head is None or head.deleting:
-            continue
-        want_serving = phase_of(v) == READY
-        if head.serving != want_serving:
-            d.actions.append(Action("set_serving", v.name, pods=(head.name,), serving=want_serving))
-
-    # 8. Draining instances continue their ordered drain.
-    for v in views.values():
-        if v.draining and v.name not in d.gone and not any(
-                a.instance == v.name and a.kind in ("start_drain", "delete_pods") for a in d.actions):
-            p.drain(v, "")
-    # Keep watching timers: startup timeouts and unready grace periods.
-    for v in views.values():
-        if v.draining or v.record.phase == FAILED:
-            continue
-        for pod in v.pods:
-            if pod.created_at is not None and v.record.first_ready is None:
-                d.wake_at(pod.created_at + spec.startup.timeout_seconds)
-            if not pod.ready and pod.ready_changed_at is not None and v.record.first_ready is not None:
-                d.wake_at(pod.ready_changed_at + spec.recovery.unready_grace_seconds)
-
-    old_remaining = [v for v in views.values() if v.revision != revision]
-    # An instance whose pods could not be scheduled is retried with backoff; until it runs,
-    # the rollout says why it is stuck instead of waiting silently.
-    unschedulable = [v for v in current if v.record.phase == FAILED
-                     and (v.record.last_failure or "").startswith("Unschedulable")]
-    d.rollout_in_progress = bool(old_remaining) or any(v.record.phase != READY for v in current) or \
-        len(current) != max(replicas - _old_instances_kept(us, len(old_remaining)), 0)
-    if paused_rollout:
-        d.progress_reason, d.progress_message = "Paused", "updateStrategy.paused is set"
-    elif unschedulable:
-        d.progress_reason = "SurgeUnschedulable" if old_remaining else "Unschedulable"
-        d.progress_message = f"instance {unschedulable[0].name}: {unschedulable[0].record.last_failure}"
-    elif d.rollout_in_progress:
-        d.progress_reason = "RollingUpdate" if old_remaining else "Scaling"
-        d.progress_message = (f"{sum(1 for v in current if v.record.phase == READY)}/{replicas} instance(s) of "
-                              f"revision {revision} Ready, {len(old_remaining)} of other revisions left")
-    return _finish(p, views)
-
-
-def _action_order(action: Action) -> int:
-    # New serving heads join the Service before old ones leave it, so a surge never dips.
-    return 0 if action.kind == "set_serving" and action.serving else 1
-
-
-def _finish(p: _Planner, views: dict[str, InstanceView]) -> Decision:
-    d = p.decision
-    d.actions.sort(key=_action_order)
-    for view in sorted(views.values(), key=lambda v: (v.index, v.revision)):
-        if view.name in d.gone:
-            continue
-        phase = _phase(view, p.expected(view), p.spec.recovery.policy)
-        rec = view.record
-        if phase == READY and rec.first_ready is None:
-            created = min((pod.created_at for pod in view.pods if pod.created_at is not None), default=p.now)
-            d.became_ready.append((view.name, p.now - created))
-        if phase != view.previous_phase:
-            d.events.append(Event("Normal" if phase != FAILED else "Warning", "InstancePhase",
-                                  f"instance {view.name}: {view.previous_phase} -> {phase}"))
-        if phase == FAILED and view.exhausted:
-            d.degraded.append(f"instance {view.name} stays down after {rec.consecutive_failures} consecutive "
-                              f"failures (recovery.maxRestarts {p.spec.recovery.max_restarts}): {rec.last_failure}")
-        elif phase == FAILED and p.spec.recovery.policy == "None":
-            d.degraded.append(f"instance {view.name} failed and recovery.policy is None: {rec.last_failure}")
-        # A world that crashes soon after becoming Ready must not restart forever: only one
-        # that stayed Ready for recovery.stableSeconds has recovered.
-        recovered = (phase == READY and rec.first_ready is not None
-                     and p.now - rec.first_ready >= p.spec.recovery.stable_seconds)
-        if phase == READY and rec.consecutive_failures and not recovered:
-            d.wake_at((rec.first_ready or p.now) + p.spec.recovery.stable_seconds)
-        d.instances.append(replace(
-            rec, phase=phase,
-            first_ready=p.now if phase == READY and rec.first_ready is None else rec.first_ready,
-            consecutive_failures=0 if recovered else rec.consecutive_failures,
-            retry_after=None if phase != FAILED else rec.retry_after,
-        ))
-    return d
+            step.handle_failure(view)
+    fleet = step.fleet()
+    paused = spec.update_strategy.paused and bool(fleet.old)
+    if not paused:
+        step.drop_unserved_old(fleet)
+        step.keep_partition(fleet)
+        step.scale_down(fleet)
+        step.replace_old(fleet)
+        step.create_instances(fleet)
+    for view in fleet.current:
+        if not view.failure:
+            step.advance_creation(view)
+    step.label_serving()
+    step.continue_drains()
+    step.watch_timers()
+    step.report_progress(fleet, paused)
+    return step.finish()

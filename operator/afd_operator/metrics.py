@@ -6,7 +6,8 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-PHASES = ("Pending", "Starting", "Ready", "Draining", "Failed")
+from .api import Phase
+from .controller import Decision
 
 
 class OperatorMetrics:
@@ -32,13 +33,19 @@ class OperatorMetrics:
                                        "From an instance's first pod to all of its pods Ready.", registry=r,
                                        buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600))
 
-    def record_instances(self, namespace: str, deployment: str, phases: list[str]) -> None:
-        for phase in PHASES:
+    def record_decision(self, namespace: str, deployment: str, decision: Decision) -> None:
+        phases = [r.phase for r in decision.instances]
+        for phase in Phase:
             self.instances.labels(namespace, deployment, phase).set(phases.count(phase))
+        self.rollout_in_progress.labels(namespace, deployment).set(int(decision.rollout_in_progress))
+        if decision.restarted:
+            self.instance_restarts.labels(namespace, deployment).inc(decision.restarted)
+        for _, seconds in decision.became_ready:
+            self.time_to_ready.observe(seconds)
 
     def forget(self, namespace: str, deployment: str) -> None:
         """Drop the series of a deleted AFDDeployment."""
-        for phase in PHASES:
+        for phase in Phase:
             with contextlib.suppress(KeyError):
                 self.instances.remove(namespace, deployment, phase)
         with contextlib.suppress(KeyError):

@@ -6,9 +6,10 @@ few facts the controller decides on, so decisions are testable with plain data.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from . import naming
 
@@ -43,6 +44,24 @@ class ObservedPod:
     unschedulable: Optional[str]  # the scheduler's message while Pending
     pod_ip: Optional[str] = None
     api_port: Optional[int] = None  # the container port named "api" (Attention heads)
+
+
+@dataclass(frozen=True)
+class ObservedObject:
+    """A Service or ConfigMap owned by a deployment, as the watch cache saw it."""
+
+    kind: str
+    name: str
+    labels: Mapping[str, str]
+    spec: Mapping[str, Any]  # Services: spec; ConfigMaps: the revision's plan summary
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One deployment's children in the watch caches."""
+
+    pods: tuple[ObservedPod, ...]
+    objects: tuple[ObservedObject, ...]  # Services and ConfigMaps
 
 
 def _condition(status: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
@@ -109,10 +128,15 @@ def summarize_pod(body: Mapping[str, Any], created_at: Optional[float] = None) -
     )
 
 
-def group_by_instance(pods: Iterable[ObservedPod]) -> dict[str, list[ObservedPod]]:
-    groups: dict[str, list[ObservedPod]] = {}
-    for pod in pods:
-        groups.setdefault(pod.instance, []).append(pod)
-    for members in groups.values():
-        members.sort(key=lambda p: (p.role, p.ordinal))
-    return groups
+def summarize_object(kind: str, body: Mapping[str, Any]) -> ObservedObject:
+    """The controller's view of an owned Service (its spec) or ConfigMap (its plan summary).
+    The kind is an argument: objects of a list response carry none."""
+    meta = body["metadata"]
+    if kind == "ConfigMap":
+        try:
+            spec = json.loads((body.get("data") or {}).get("plan.json") or "{}")
+        except ValueError:
+            spec = {}
+    else:
+        spec = dict(body.get("spec") or {})
+    return ObservedObject(kind=kind, name=meta["name"], labels=dict(meta.get("labels") or {}), spec=spec)

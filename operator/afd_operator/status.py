@@ -2,26 +2,31 @@
 
 Conditions follow the Kubernetes convention: the full list every time (kopf/JSON merge
 patches replace lists whole), `lastTransitionTime` kept while a condition's status stays
-the same, `observedGeneration` on each.
+the same, `observedGeneration` on each. `ApiWriteFailed` is there only while the API
+refuses a write (like a Deployment's `ReplicaFailure`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 from . import naming
-from .api import AFDDeploymentSpec
-from .controller import FAILED, READY, Decision, InstanceRecord
-from .observe import format_time, parse_time
+from .api import AFDDeploymentSpec, Phase
+from .controller import Decision, InstanceRecord, rollout_budget
+from .observe import ObservedPod, format_time, parse_time
 from .planner import topology_string
-from .validation import Problem, resolve_int_or_percent
+from .validation import Problem
+from .writer import ApiWriteError
+
+API_WRITE_FAILED = "ApiWriteFailed"
+
 
 def records_from_status(status: Optional[Mapping[str, Any]]) -> list[InstanceRecord]:
     records = []
     for item in (status or {}).get("instances") or []:
         try:
             records.append(InstanceRecord(
-                name=item["name"], revision=item["revision"], index=int(item["index"]), phase=item["phase"],
+                name=item["name"], revision=item["revision"], index=int(item["index"]), phase=Phase(item["phase"]),
                 restarts=int(item.get("restarts") or 0),
                 consecutive_failures=int(item.get("consecutiveFailures") or 0),
                 last_failure=item.get("lastFailure"),
@@ -65,12 +70,21 @@ def _instance_status(rec: InstanceRecord, pods_ready: int, pods_total: int) -> d
     return item
 
 
+def _pod_counts(pods: Iterable[ObservedPod]) -> dict[str, tuple[int, int]]:
+    """(Ready pods, pods) of each instance."""
+    counts: dict[str, tuple[int, int]] = {}
+    for pod in pods:
+        ready, total = counts.get(pod.instance, (0, 0))
+        counts[pod.instance] = (ready + int(pod.ready), total + 1)
+    return counts
+
+
 def build_status(
     name: str,
     spec: AFDDeploymentSpec,
     revision: str,
     decision: Decision,
-    pod_counts: Mapping[str, tuple[int, int]],
+    pods: Iterable[ObservedPod],
     previous: Optional[Mapping[str, Any]],
     generation: Optional[int],
     now: float,
@@ -78,11 +92,12 @@ def build_status(
     previous = previous or {}
     prev_conditions = {c.get("type"): c for c in previous.get("conditions") or []}
     records = decision.instances
-    live = [r for r in records if r.phase != "Draining"]
-    ready = [r for r in live if r.phase == READY]
+    pod_counts = _pod_counts(pods)
+    live = [r for r in records if r.phase != Phase.DRAINING]
+    ready = [r for r in live if r.phase == Phase.READY]
     updated = [r for r in live if r.revision == revision]
-    failing = [r for r in records if r.phase == FAILED]
-    unavailable = resolve_int_or_percent(spec.update_strategy.max_unavailable, max(spec.replicas, 1), round_up=False)
+    failing = [r for r in records if r.phase == Phase.FAILED]
+    floor = rollout_budget(spec).floor
     complete = not decision.rollout_in_progress
     current_revision = revision if complete else previous.get("currentRevision") or revision
 
@@ -95,12 +110,12 @@ def build_status(
         ready_reason, ready_msg = decision.progress_reason, decision.progress_message
     else:
         ready_reason, ready_msg = "InstancesNotReady", f"{len(ready)}/{spec.replicas} instances Ready"
-    available = len(ready) >= spec.replicas - unavailable
+    available = len(ready) >= floor
     conditions = [
         _condition(prev_conditions, "Ready", is_ready, ready_reason, ready_msg, generation, now),
         _condition(prev_conditions, "Available", available,
                    "MinimumInstancesReady" if available else "TooFewInstancesReady",
-                   f"{len(ready)} Ready, at least {max(spec.replicas - unavailable, 0)} required", generation, now),
+                   f"{len(ready)} Ready, at least {floor} required", generation, now),
         _condition(prev_conditions, "Progressing", decision.rollout_in_progress,
                    decision.progress_reason, decision.progress_message or f"revision {revision} rolled out",
                    generation, now),
@@ -123,15 +138,33 @@ def build_status(
     }
 
 
+def _with_condition(previous: Optional[Mapping[str, Any]], kind: str, ok: bool, reason: str, message: str,
+                    generation: Optional[int], now: float) -> dict[str, Any]:
+    """The previous status with one condition set: what a reconciliation that changed nothing reports."""
+    status = dict(previous or {})
+    prev_conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    conditions = [c for c in status.get("conditions") or [] if c.get("type") != kind]
+    conditions.append(_condition(prev_conditions, kind, ok, reason, message, generation, now))
+    status["conditions"] = conditions
+    return status
+
+
 def invalid_status(problems: list[Problem], previous: Optional[Mapping[str, Any]], generation: Optional[int],
                    now: float) -> dict[str, Any]:
     """An invalid spec changes nothing in the cluster; only ConfigValid says why."""
-    status = dict(previous or {})
-    prev_conditions = {c.get("type"): c for c in status.get("conditions") or []}
     message = "; ".join(str(p) for p in problems)
-    conditions = [c for c in status.get("conditions") or [] if c.get("type") != "ConfigValid"]
-    conditions.append(_condition(prev_conditions, "ConfigValid", False, "InvalidSpec", message, generation, now))
-    status["conditions"] = conditions
-    status["observedGeneration"] = generation
-    return status
+    return {**_with_condition(previous, "ConfigValid", False, "InvalidSpec", message, generation, now),
+            "observedGeneration": generation}
 
+
+def write_failure_reason(err: ApiWriteError) -> str:
+    """One CamelCase word naming the verb, the kind and the API's reason: CreatePodForbidden."""
+    return f"{err.verb.capitalize()}{err.kind.split('/')[0]}{err.reason}"
+
+
+def write_failed_status(err: ApiWriteError, previous: Optional[Mapping[str, Any]], generation: Optional[int],
+                        now: float) -> dict[str, Any]:
+    """A refused write: the previous status stands (the decision was not carried out), and
+    ApiWriteFailed (True) says what the API refused; the next reconciliation retries, and
+    build_status, which the first one whose writes all succeed reports, has no such condition."""
+    return _with_condition(previous, API_WRITE_FAILED, True, write_failure_reason(err), str(err), generation, now)

@@ -2,11 +2,13 @@
 
 Every create/patch/delete goes through `Writer`, which counts it by verb and kind, treats
 "already exists" / "already gone" as success (a restarted operator adopts what exists),
+raises `ApiWriteError` (verb, kind, name and the API's own status) for any other refusal,
 and maps `policy/v1` PodDisruptionBudgets to `policy/v1beta1` on servers older than 1.21.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import uuid
@@ -14,6 +16,7 @@ from datetime import datetime, timezone
 from typing import Any, Mapping, Optional
 
 from kubernetes.client import ApiClient
+from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ConflictError, NotFoundError, ResourceNotFoundError
 
@@ -23,6 +26,27 @@ from .metrics import OperatorMetrics
 log = logging.getLogger(__name__)
 MERGE_PATCH = "application/merge-patch+json"
 COMPONENT = "afd-operator"
+
+
+class ApiWriteError(Exception):
+    """The API refused a write: which one, and the API's status (code, reason, message)."""
+
+    def __init__(self, verb: str, kind: str, name: str, code: int, reason: str, message: str):
+        self.verb, self.kind, self.name = verb, kind, name
+        self.code, self.reason, self.message = code, reason, message
+        super().__init__(f"{verb} {kind} {name}: {code} {reason}: {message}")
+
+    @classmethod
+    def from_api(cls, verb: str, kind: str, name: str, err: ApiException) -> "ApiWriteError":
+        # The body is a metav1.Status: its reason is one CamelCase word (Forbidden, Invalid, ...).
+        try:
+            status = json.loads(err.body or "{}")
+        except (TypeError, ValueError):
+            status = {}
+        if not isinstance(status, dict):
+            status = {}
+        reason = status.get("reason") or (err.reason or "Unknown").replace(" ", "")
+        return cls(verb, kind, name, int(err.status or 0), reason, status.get("message") or str(err.reason or ""))
 
 
 class Writer:
@@ -72,6 +96,8 @@ class Writer:
             self._resource(version, obj["kind"]).create(body=body, namespace=obj["metadata"].get("namespace"))
         except ConflictError:
             log.debug("%s %s already exists", obj["kind"], obj["metadata"]["name"])
+        except ApiException as err:
+            raise ApiWriteError.from_api("create", obj["kind"], obj["metadata"]["name"], err) from err
 
     def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
         version = self.served_version(api_version, kind)
@@ -81,6 +107,8 @@ class Writer:
                                                 content_type=MERGE_PATCH)
         except NotFoundError:
             log.debug("%s %s vanished before patch", kind, name)
+        except ApiException as err:
+            raise ApiWriteError.from_api("patch", kind, name, err) from err
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         version = self.served_version(api_version, kind)
@@ -89,6 +117,8 @@ class Writer:
             self._resource(version, kind).delete(name=name, namespace=namespace)
         except NotFoundError:
             pass
+        except ApiException as err:
+            raise ApiWriteError.from_api("delete", kind, name, err) from err
 
     def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> Optional[str]:
         """Write the status subresource; returns the object's new resourceVersion."""
@@ -99,6 +129,8 @@ class Writer:
                                            content_type=MERGE_PATCH)
         except NotFoundError:
             return None
+        except ApiException as err:
+            raise ApiWriteError.from_api("patch", f"{KIND}/status", name, err) from err
         return result.metadata.resourceVersion
 
     def event(self, owner: Mapping[str, Any], type_: str, reason: str, message: str) -> None:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import kopf
 
 from .. import naming
-from ..observe import summarize_pod
-from ..reconciler import ObservedObject
+from ..observe import summarize_object, summarize_pod
 
 OWNED = {naming.LABEL_MANAGED_BY: naming.MANAGER, naming.LABEL_DEPLOYMENT: kopf.PRESENT}
 
@@ -20,26 +18,14 @@ async def afd_pods(namespace: str, labels: dict, body: Any, **_: Any) -> Any:
     return {(namespace, labels[naming.LABEL_DEPLOYMENT]): pod} if pod else None
 
 
-def _object(kind: str, body: Any, spec: dict) -> ObservedObject:
-    return ObservedObject(kind=kind, name=body["metadata"]["name"], labels=dict(body["metadata"].get("labels") or {}),
-                          spec=spec)
-
-
-def _plan_summary(body: Any) -> dict:
-    try:
-        return json.loads((body.get("data") or {}).get("plan.json") or "{}")
-    except ValueError:
-        return {}
-
-
 @kopf.index("services", labels=OWNED)
 async def afd_services(namespace: str, labels: dict, body: Any, **_: Any) -> Any:
-    return {(namespace, labels[naming.LABEL_DEPLOYMENT]): _object("Service", body, dict(body.get("spec") or {}))}
+    return {(namespace, labels[naming.LABEL_DEPLOYMENT]): summarize_object("Service", body)}
 
 
 @kopf.index("configmaps", labels=OWNED)
 async def afd_configmaps(namespace: str, labels: dict, body: Any, **_: Any) -> Any:
-    return {(namespace, labels[naming.LABEL_DEPLOYMENT]): _object("ConfigMap", body, _plan_summary(body))}
+    return {(namespace, labels[naming.LABEL_DEPLOYMENT]): summarize_object("ConfigMap", body)}
 
 
 @kopf.on.event("pods", labels=OWNED)

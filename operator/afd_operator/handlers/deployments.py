@@ -12,7 +12,7 @@ from typing import Any
 import kopf
 
 from ..api import GROUP, PLURAL, VERSION
-from ..reconciler import Observed
+from ..observe import Observed
 
 log = logging.getLogger(__name__)
 ERROR_RETRY_SECONDS = 2.0

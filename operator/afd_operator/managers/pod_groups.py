@@ -1,0 +1,33 @@
+"""Volcano PodGroups (gang scheduling), one per instance of the current revision, deleted
+when their instance is gone. The deployment's memory notes which exist, so a steady state
+reads nothing."""
+
+from __future__ import annotations
+
+from ..observe import Observed
+from ..planner import plan_instance
+from ..render import render_pod_group
+from ..writer import Writer
+from . import Round
+
+API_VERSION, KIND = "scheduling.volcano.sh/v1beta1", "PodGroup"
+
+
+class PodGroupManager:
+    def sync(self, r: Round) -> None:
+        known = r.memory.pod_groups
+        if not r.deleting and r.spec.scheduling.gang.provider == "volcano":
+            for rec in r.decision.instances:
+                if rec.revision != r.plan.revision or rec.name in known:
+                    continue
+                instance = plan_instance(r.spec, r.plan.name, r.plan.namespace, rec.revision, rec.index)
+                if r.writer.get(API_VERSION, KIND, r.plan.namespace, instance.name) is None:
+                    r.writer.create(render_pod_group(r.spec, r.plan, instance, r.owner))
+                known.add(instance.name)
+        for instance in r.decision.gone:
+            if instance in known or r.writer.serves(API_VERSION, KIND):
+                r.writer.delete(API_VERSION, KIND, r.plan.namespace, instance)
+                known.discard(instance)
+
+    def remove_all(self, writer: Writer, namespace: str, name: str, observed: Observed) -> None:
+        """Each PodGroup went with its instance."""

@@ -1,0 +1,37 @@
+"""Per-revision ConfigMap snapshots: created once per revision (immutable), deleted once no
+instance of their revision is left. Their plan summary tells the controller the layout of
+older revisions."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from .. import naming
+from ..observe import Observed
+from ..writer import Writer
+from . import Round
+
+
+def layouts(observed: Observed) -> dict[str, Mapping[str, int]]:
+    """Pods per role of every revision that still has a snapshot."""
+    return {o.labels.get(naming.LABEL_REVISION, ""): {"ffn": o.spec["ffnPods"], "attention": o.spec["attentionPods"]}
+            for o in observed.objects if o.kind == "ConfigMap" and "ffnPods" in o.spec}
+
+
+class SnapshotManager:
+    def sync(self, r: Round) -> None:
+        if r.deleting:
+            return
+        snapshots = [o for o in r.observed.objects if o.kind == "ConfigMap"]
+        desired = r.shared["ConfigMap"]
+        if not any(o.name == desired["metadata"]["name"] for o in snapshots):
+            r.writer.create(desired)
+        keep = {rec.revision for rec in r.decision.instances} | {r.plan.revision}
+        for o in snapshots:
+            if o.labels.get(naming.LABEL_REVISION) not in keep:
+                r.writer.delete("v1", "ConfigMap", r.plan.namespace, o.name)
+
+    def remove_all(self, writer: Writer, namespace: str, name: str, observed: Observed) -> None:
+        for o in observed.objects:
+            if o.kind == "ConfigMap":
+                writer.delete("v1", "ConfigMap", namespace, o.name)

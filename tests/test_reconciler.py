@@ -1,0 +1,188 @@
+"""The reconciler against a recording writer (fast tier, in process): per-deployment memory
+with names that are prefixes of each other, teardown dropping that memory, and refused
+writes surfacing in status and events."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Optional
+
+from kubernetes.client.exceptions import ApiException
+
+from afd_operator import naming
+from afd_operator.api import AFDDeploymentSpec
+from afd_operator.metrics import OperatorMetrics
+from afd_operator.reconciler import Reconciler
+from afd_operator.revision import revision_of
+from afd_operator.status import API_WRITE_FAILED, write_failure_reason
+from afd_operator.writer import ApiWriteError
+from recording_writer import Call, RecordingWriter
+
+NS = "team"
+PREFIX_NAMES = ("a", "a-b", "a-b-c")
+
+
+def spec(image: str = "runtime:v1", replicas: int = 1) -> dict[str, Any]:
+    return {
+        "replicas": replicas, "image": image, "platform": "cpu",
+        "model": {"name": "tiny", "path": "/models/tiny", "routedExperts": 8},
+        "attention": {"dataParallel": 2, "tensorParallel": 1, "devicesPerPod": 1},
+        "ffn": {"ranks": 1, "devicesPerPod": 1},
+        "termination": {"gracePeriodSeconds": 5, "drainSeconds": 1},
+        "updateStrategy": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+
+
+def revision(data: dict[str, Any]) -> str:
+    return revision_of(AFDDeploymentSpec.model_validate(data))
+
+
+class Namespace:
+    """Deployments of one namespace reconciled in rounds. Each round hands every reconcile
+    the watch caches as they were when the round began, so writes made earlier in the round
+    (by this deployment or another) are not visible yet: the lag the intents must cover."""
+
+    def __init__(self, specs: dict[str, dict[str, Any]]):
+        self.writer = RecordingWriter()
+        self.reconciler = Reconciler(self.writer, OperatorMetrics())  # type: ignore[arg-type]
+        self.specs = dict(specs)
+        self.deleting: set[str] = set()
+        self.gone: set[str] = set()
+        self.calls_by: list[tuple[str, Call]] = []  # (deployment reconciled, the write it made)
+
+    def reconcile(self, name: str, cache: Any = None) -> None:
+        cache = self.writer.observed(NS, name) if cache is None else cache
+        before = len(self.writer.calls)
+        deleting = name in self.deleting
+        result = self.reconciler.reconcile(self.writer.body(NS, name, self.specs[name], deleting), cache,
+                                           now=self.writer.now, deleting=deleting)
+        self.calls_by += [(name, c) for c in self.writer.calls[before:]]
+        if result.finished:
+            self.gone.add(name)
+
+    def round(self) -> None:
+        caches = {name: self.writer.observed(NS, name) for name in self.specs}
+        for name in self.specs:
+            if name not in self.gone:
+                self.reconcile(name, caches[name])
+        self.writer.run_pods()
+        self.writer.now += 1
+
+    def until(self, done: Callable[[], bool], what: str, rounds: int = 40) -> None:
+        for _ in range(rounds):
+            if done():
+                return
+            self.round()
+        raise AssertionError(f"not {what} after {rounds} rounds; statuses {self.writer.statuses}")
+
+    def status(self, name: str) -> dict[str, Any]:
+        return self.writer.statuses.get((NS, name), {})
+
+    def condition(self, name: str, kind: str) -> Optional[dict[str, Any]]:
+        return next((c for c in self.status(name).get("conditions", []) if c["type"] == kind), None)
+
+    def ready(self, name: str) -> bool:
+        status = self.status(name)
+        instances = status.get("instances", [])
+        return ((self.condition(name, "Ready") or {}).get("status") == "True" and bool(instances)
+                and all(i["revision"] == revision(self.specs[name]) for i in instances)
+                and all(p.revision == revision(self.specs[name]) for p in self.writer.observed(NS, name).pods))
+
+    def foreign_writes(self) -> list[tuple[str, Call]]:
+        """Writes a reconcile made to an object of another deployment (or an unlabelled pod)."""
+        return [(name, c) for name, c in self.calls_by
+                if c.deployment != name and (c.deployment is not None or c.kind == "Pod")]
+
+
+def test_prefix_names_created_rolled_and_deleted_together_stay_apart() -> None:
+    ns = Namespace({name: spec() for name in PREFIX_NAMES})
+    ns.until(lambda: all(ns.ready(n) for n in PREFIX_NAMES), "all Ready")
+    assert ns.foreign_writes() == []
+    assert [c for _, c in ns.calls_by if c.verb == "delete"] == [], "creation deletes nothing"
+    for name in PREFIX_NAMES:
+        (instance,) = ns.status(name)["instances"]
+        assert instance["name"] == f"{name}-{revision(ns.specs[name])}-0" and instance["restarts"] == 0
+        assert instance["podsReady"] == instance["podsTotal"] == 3
+
+    old = {name: revision(ns.specs[name]) for name in PREFIX_NAMES}
+    ns.specs = {name: spec(image="runtime:v2") for name in PREFIX_NAMES}
+    ns.until(lambda: all(ns.ready(n) for n in PREFIX_NAMES), "all rolled")
+    assert ns.foreign_writes() == []
+    deleted = [(name, c.name) for name, c in ns.calls_by if c.verb == "delete" and c.kind == "Pod"]
+    assert sorted(pod for _, pod in deleted) == sorted(
+        f"{name}-{old[name]}-0-{role}" for name in PREFIX_NAMES for role in ("attn-0", "attn-1", "ffn-0"))
+    assert all(pod.startswith(f"{name}-{old[name]}-") for name, pod in deleted), "only a deployment's old pods"
+    assert all(ns.status(n)["instances"][0]["restarts"] == 0 for n in PREFIX_NAMES)
+
+    ns.deleting = set(PREFIX_NAMES)
+    ns.until(lambda: ns.gone == set(PREFIX_NAMES), "all torn down")
+    assert ns.foreign_writes() == []
+    assert ns.writer.objects == {}
+    assert not any((NS, name) in ns.reconciler.memory for name in PREFIX_NAMES)
+
+
+def test_a_delete_intent_outlives_another_deployments_reconcile() -> None:
+    ns = Namespace({"a": spec(), "a-b": spec()})
+    ns.until(lambda: ns.ready("a") and ns.ready("a-b"), "both Ready")
+    ns.specs["a"] = spec(replicas=0)
+    head = ns.writer.objects[("Pod", NS, f"a-{revision(spec())}-0-attn-0")]
+    ns.until(lambda: naming.ANNOTATION_DRAIN_STARTED in head["metadata"].get("annotations", {}), "a's drain")
+    ns.writer.now += 5  # past drainSeconds
+    stale = ns.writer.observed(NS, "a")  # still shows a's Attention pods, as a lagging cache would
+    ns.reconcile("a", stale)
+    attention = sorted(c.name for n, c in ns.calls_by if n == "a" and c.verb == "delete")
+    assert attention == [f"a-{revision(spec())}-0-attn-0", f"a-{revision(spec())}-0-attn-1"]
+    ns.reconcile("a-b")
+    ns.reconcile("a", stale)  # the cache still lags: the deletions must not be made again
+    assert sorted(c.name for n, c in ns.calls_by if n == "a" and c.verb == "delete") == attention
+    ns.until(lambda: not ns.writer.observed(NS, "a").pods, "a scaled to zero")
+    assert ns.ready("a-b") and ns.foreign_writes() == []
+
+
+def test_teardown_drops_only_that_deployments_memory() -> None:
+    ns = Namespace({"a": spec(), "a-b": spec()})
+    ns.until(lambda: ns.ready("a") and ns.ready("a-b"), "both Ready")
+    ns.deleting = {"a"}
+    ns.until(lambda: "a" in ns.gone, "a torn down")
+    assert (NS, "a") not in ns.reconciler.memory and (NS, "a-b") in ns.reconciler.memory
+    assert ns.foreign_writes() == [] and not [c for n, c in ns.calls_by if n == "a-b" and c.verb == "delete"]
+    assert ns.writer.pods(NS) == sorted(p.name for p in ns.writer.observed(NS, "a-b").pods)
+    assert ns.ready("a-b")
+
+
+def refuse_pod_creates(verb: str, kind: str, name: str) -> Optional[ApiWriteError]:
+    if (verb, kind) == ("create", "Pod"):
+        return ApiWriteError(verb, kind, name, 403, "Forbidden",
+                             f'pods "{name}" is forbidden: exceeded quota: no-pods, requested: pods=1')
+    return None
+
+
+def test_refused_write_sets_condition_and_event_until_a_write_succeeds() -> None:
+    ns = Namespace({"a": spec()})
+    ns.writer.refuse = refuse_pod_creates
+    ns.round()
+    cond = ns.condition("a", API_WRITE_FAILED)
+    assert cond is not None and cond["status"] == "True" and cond["reason"] == "CreatePodForbidden"
+    pod = f"a-{revision(spec())}-0-ffn-0"
+    assert cond["message"].startswith(f"create Pod {pod}: 403 Forbidden") and "exceeded quota" in cond["message"]
+    assert [(t, r) for _, t, r, _ in ns.writer.events] == [("Warning", "CreatePodForbidden")]
+    # Nothing after the refused write was attempted, and the decision was not recorded.
+    assert [c.kind for _, c in ns.calls_by if c.kind == "Pod"] == [] and "instances" not in ns.status("a")
+    writes = len(ns.writer.calls)
+    ns.round()  # refused again: the condition stands, no new status write and no new event
+    assert len(ns.writer.events) == 1 and not [c for c in ns.writer.calls[writes:] if c.verb == "patch_status"]
+
+    ns.writer.refuse = lambda verb, kind, name: None
+    ns.until(lambda: ns.ready("a"), "Ready once creates are accepted")
+    assert ns.condition("a", API_WRITE_FAILED) is None
+
+
+def test_api_error_names_the_verb_kind_and_the_apis_own_reason() -> None:
+    invalid = ApiException(status=422, reason="Unprocessable Entity")
+    invalid.body = json.dumps({"kind": "Status", "reason": "Invalid",
+                               "message": 'Pod "x" is invalid: spec.containers[0].image: Required value'})
+    refused = ApiWriteError.from_api("create", "Pod", "x", invalid)
+    assert write_failure_reason(refused) == "CreatePodInvalid"
+    assert str(refused) == 'create Pod x: 422 Invalid: Pod "x" is invalid: spec.containers[0].image: Required value'
+    bare = ApiWriteError.from_api("delete", "Service", "y", ApiException(status=500, reason="Internal Server Error"))
+    assert write_failure_reason(bare) == "DeleteServiceInternalServerError" and bare.code == 500
