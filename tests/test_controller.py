@@ -6,10 +6,9 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from afd_operator.api import AFDDeploymentSpec
-from afd_operator.controller import (
-    CreatePods, Decision, DeletePods, InstanceRecord, RolloutBudget, SetServing, StartDrain, decide, rollout_budget,
-)
+from afd_operator.controller import CreatePods, Decision, DeletePods, InstanceRecord, SetServing, StartDrain, decide
 from afd_operator.observe import ObservedPod
+from afd_operator.planner import RolloutBudget, rollout_budget
 from afd_operator.revision import revision_of
 
 NOW = 1_000_000.0

@@ -19,8 +19,7 @@ from typing import Iterable, Mapping, Optional, Union
 
 from .api import AFDDeploymentSpec, Phase, UpdateStrategySpec
 from .observe import ObservedPod
-from .planner import attention_layout, ffn_layout
-from .validation import resolve_int_or_percent
+from .planner import attention_layout, ffn_layout, rollout_budget
 
 
 @dataclass(frozen=True)
@@ -80,23 +79,6 @@ class Event:
     type: str  # Normal | Warning
     reason: str
     message: str
-
-
-@dataclass(frozen=True)
-class RolloutBudget:
-    """updateStrategy resolved against replicas: how far a rollout may go above and below."""
-
-    surge: int  # instances above replicas
-    unavailable: int  # instances below replicas
-    floor: int  # Ready instances a rollout keeps: replicas - unavailable
-
-
-def rollout_budget(spec: AFDDeploymentSpec) -> RolloutBudget:
-    total = max(spec.replicas, 1)
-    us = spec.update_strategy
-    unavailable = resolve_int_or_percent(us.max_unavailable, total, round_up=False)
-    return RolloutBudget(surge=resolve_int_or_percent(us.max_surge, total, round_up=True),
-                         unavailable=unavailable, floor=max(spec.replicas - unavailable, 0))
 
 
 @dataclass

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Literal, Optional
+from typing import Iterable, Literal, Optional, Union
 
 from afd_shared_experts.config import AFDConfig, SharedExpertsConfig
 
@@ -33,6 +33,31 @@ Role = Literal["attention", "ffn"]
 PLUGIN_NAME = "afd_shared_experts"
 FFN_SERVER_MODULE = "afd_shared_experts.ffn_server"
 
+
+
+def resolve_int_or_percent(value: Union[int, str], total: int, round_up: bool) -> int:
+    if isinstance(value, int):
+        return value
+    scaled = int(value[:-1]) * total / 100
+    return math.ceil(scaled) if round_up else math.floor(scaled)
+
+
+@dataclass(frozen=True)
+class RolloutBudget:
+    """updateStrategy resolved against replicas: how far a rollout may go above and below."""
+
+    surge: int  # instances above replicas
+    unavailable: int  # instances below replicas
+    floor: int  # Ready instances a rollout keeps: replicas - unavailable
+
+
+def rollout_budget(spec: AFDDeploymentSpec) -> RolloutBudget:
+    """The one resolution of maxSurge/maxUnavailable (controller, status, PDB and validation)."""
+    total = max(spec.replicas, 1)
+    us = spec.update_strategy
+    unavailable = resolve_int_or_percent(us.max_unavailable, total, round_up=False)
+    return RolloutBudget(surge=resolve_int_or_percent(us.max_surge, total, round_up=True),
+                         unavailable=unavailable, floor=max(spec.replicas - unavailable, 0))
 
 @dataclass(frozen=True)
 class RoleLayout:

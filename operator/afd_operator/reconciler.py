@@ -95,7 +95,7 @@ class Reconciler:
             return self._refused(target, err, now)
 
     def _converge(self, t: _Target, observed: Observed, now: float, deleting: bool) -> ReconcileResult:
-        spec, problems = validate_spec(t.body.get("spec") or {}, t.name)
+        spec, problems = validate_spec(t.body.get("spec") or {}, t.name, namespace=t.namespace)
         if spec is None:
             if deleting:  # nothing can be planned: tear down what exists without order
                 return self._teardown_unplannable(t, observed)

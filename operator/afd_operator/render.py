@@ -23,8 +23,7 @@ from typing import Any, Optional
 
 from . import naming
 from .api import API_VERSION, KIND, AFDDeploymentSpec, EnvVar, PodTemplateOverrides
-from .planner import PROMETHEUS_MULTIPROC_DIR, InstancePlan, Plan, PodPlan, uses_host_network
-from .validation import resolve_int_or_percent
+from .planner import PROMETHEUS_MULTIPROC_DIR, InstancePlan, Plan, PodPlan, rollout_budget, uses_host_network
 
 Obj = dict[str, Any]
 
@@ -307,8 +306,7 @@ def render_pdb(spec: AFDDeploymentSpec, plan: Plan, owner: Optional[Obj] = None)
     # Losing any pod loses its whole instance, so allowing N pod disruptions keeps at most N
     # instances down: the budget of updateStrategy.maxUnavailable, but at least one so that
     # node drains are never blocked forever.
-    allowed = max(1, resolve_int_or_percent(spec.update_strategy.max_unavailable, max(spec.replicas, 1),
-                                            round_up=False))
+    allowed = max(1, rollout_budget(spec).unavailable)
     return {
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
         "metadata": _meta(naming.pdb_name(plan.name), plan.namespace, naming.base_labels(plan.name, "pdb"), owner),

@@ -12,9 +12,9 @@ from typing import Any, Iterable, Mapping, Optional
 
 from . import naming
 from .api import AFDDeploymentSpec, Phase
-from .controller import Decision, InstanceRecord, rollout_budget
+from .controller import Decision, InstanceRecord
 from .observe import ObservedPod, format_time, parse_time
-from .planner import topology_string
+from .planner import rollout_budget, topology_string
 from .validation import Problem
 from .writer import ApiWriteError
 

@@ -9,7 +9,6 @@ validate`, the admission webhook and the operator's ConfigValid condition.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -19,7 +18,7 @@ from pydantic import ValidationError
 
 from . import naming
 from .api import AFDDeployment, AFDDeploymentSpec, EnvVar
-from .planner import attention_layout, ffn_layout, instance_ports, role_configs, uses_host_network
+from .planner import attention_layout, ffn_layout, instance_ports, role_configs, rollout_budget, uses_host_network
 from .revision import REVISION_LENGTH, revision_of
 
 PORT_MAX = 65535
@@ -88,13 +87,6 @@ def _pydantic_problems(err: ValidationError, prefix: str) -> list[Problem]:
         problems.append(Problem(path, msg))
     # A union (int | percent) reports once per branch: keep one message per path and text.
     return sorted(set(problems), key=problems.index)
-
-
-def resolve_int_or_percent(value: Union[int, str], total: int, round_up: bool) -> int:
-    if isinstance(value, int):
-        return value
-    scaled = int(value[:-1]) * total / 100
-    return math.ceil(scaled) if round_up else math.floor(scaled)
 
 
 def _check_env(path: str, env: list[EnvVar]) -> list[Problem]:
@@ -246,15 +238,13 @@ def check_spec(spec: AFDDeploymentSpec, name: str, namespace: str = "default") -
     """Cross-field rules of a schema-valid spec, then the plugin's verdict on its pods."""
     problems = _check_names(name, spec)
     problems += _check_layout(spec)
-    us = spec.update_strategy
-    surge = resolve_int_or_percent(us.max_surge, max(spec.replicas, 1), round_up=True)
-    unavailable = resolve_int_or_percent(us.max_unavailable, max(spec.replicas, 1), round_up=False)
-    if us.type == "RollingUpdate" and surge == 0 and unavailable == 0:
+    budget = rollout_budget(spec)
+    if spec.update_strategy.type == "RollingUpdate" and budget.surge == 0 and budget.unavailable == 0:
         problems.append(Problem(
             "spec.updateStrategy.maxUnavailable",
             "maxSurge and maxUnavailable must not both be 0 (the rollout could never make progress)",
         ))
-    max_index = max(spec.replicas + surge - 1, 0)
+    max_index = max(spec.replicas + budget.surge - 1, 0)
     problems += _check_ports(spec, max_index)
     problems += _check_engine_args(spec.attention.engine_args)
     problems += _check_env("spec.attention.env", spec.attention.env)
