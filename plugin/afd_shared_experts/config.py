@@ -48,7 +48,10 @@ TOP_LEVEL_KEYS = (
     "health_port",
     "timeout_seconds",
 )
-EXTRA_KEYS = ("attn_ranks_per_dp", "dynamicQuant")
+EXTRA_KEYS = ("attn_ranks_per_dp", "dynamicQuant", "data_plane")
+# How payloads travel (docs/plugin-runtime.md): on the device backend, staged through host memory
+# over gloo, or whichever every rank of the world can use (the same on every rank).
+DATA_PLANES = ("auto", "direct", "staged")
 SHARED_KEYS = ("placement", "partition")
 
 
@@ -85,6 +88,7 @@ class AFDConfig:
     compute_gate_on_attention: bool = True
     attn_ranks_per_dp: int = 1
     dynamic_quant: int = 0
+    data_plane: str = "auto"
     shared_experts: SharedExpertsConfig = field(default_factory=SharedExpertsConfig)
     metrics_port: int | None = None
     health_port: int | None = None
@@ -113,6 +117,7 @@ class AFDConfig:
             "connector_extra_config": {
                 "attn_ranks_per_dp": self.attn_ranks_per_dp,
                 "dynamicQuant": self.dynamic_quant,
+                "data_plane": self.data_plane,
             },
             "shared_experts": self.shared_experts.to_block(),
             "timeout_seconds": self.timeout_seconds,
@@ -236,6 +241,7 @@ def parse_afd_config(additional_config: Mapping[str, Any]) -> AFDConfig:
             attn_per_dp,
         )
     dynamic_quant = _as_int(extra.get("dynamicQuant", 0), "afd.connector_extra_config.dynamicQuant", minimum=0, maximum=1)
+    data_plane = _as_choice(extra.get("data_plane", "auto"), "afd.connector_extra_config.data_plane", DATA_PLANES)
 
     shared_raw = _check_keys(raw.get("shared_experts", {}), SHARED_KEYS, "afd.shared_experts")
     shared = SharedExpertsConfig(
@@ -286,6 +292,7 @@ def parse_afd_config(additional_config: Mapping[str, Any]) -> AFDConfig:
         compute_gate_on_attention=gate_on_attention,
         attn_ranks_per_dp=attn_per_dp,
         dynamic_quant=dynamic_quant,
+        data_plane=data_plane,
         shared_experts=shared,
         metrics_port=metrics_port,
         health_port=health_port,

@@ -9,17 +9,31 @@ FFN ranks A..A+F-1):
 Every dispatch reaches every FFN rank (a header-only one when it has no rows) and every FFN
 rank answers every dispatch, so no side waits for a message that never comes.
 
-Ordering and lifetime rules (docs/plugin-runtime.md):
-1. A send is posted only after the payload is complete on the producing stream
-   (``record_ready_event``); the sent tensor is referenced by the connector until the send
-   handle reports completion: it is never freed, reused or mutated while in flight.
-2. A received tensor is handed out only after its handle reports completion.
+Where it runs (docs/plugin-runtime.md, "Connector"):
+- Control plane: headers go over gloo (CPU tensors) on two process groups, one per direction
+  (work: Attention -> FFN, reply: FFN -> Attention). An idle FFN rank waits there, on the
+  host, never on a device receive.
+- Data plane: ``direct`` puts payloads on two more process groups of the device's backend
+  (nccl/hccl; gloo on CPU), again one per direction; ``staged`` puts them on two gloo groups
+  with explicit device <-> host copies (CPU, or several ranks on one device). A payload
+  receive is posted only after its header announced rows.
+On every process group one side of each pair only sends and the other only receives, in the
+same order, so execution in post order per pair (HCCL/NCCL, tags ignored) cannot deadlock.
+
+Ordering and lifetime rules:
+1. Payloads are read by the send in stream order (nccl/hccl order a send after the caller's
+   current stream; staged copies wait on one event per batch); a sent tensor is referenced by
+   the connector until its handle reports completion: never freed, reused or mutated in flight.
+2. A received tensor is handed out only once its handle completed (gloo) or once the caller's
+   current stream waits for it (nccl/hccl).
 3. Replies are paired with dispatches per stage, first in first out; the header's layer,
    sequence number, stage and row counts must match, otherwise ``PairingError``.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import queue
 import threading
 import time
@@ -32,22 +46,23 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from .device import new_process_group, record_ready_event, resolve_device, wait_event
+from .config import DATA_PLANES, AFDConfig
+from .device import (device_identity, host_buffer, new_process_group, orders_on_stream, resolve_device, to_device,
+                     to_host)
 from .errors import AFDError, ConnectorClosedError, PairingError, PayloadError, PeerLostError
 from .metrics import RuntimeMetrics
 
 MAGIC = 0xAFD5
 KIND_WORK, KIND_SHUTDOWN, KIND_REPLY = 1, 2, 3
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-TAG_WORK_HEADER, TAG_WORK_PAYLOAD = 1, 2
-# Reply tags carry the stage so stages can be received in any order on tag-aware backends.
-TAG_REPLY_BASE = 16
+# Only gloo reads tags; pairing never depends on them (HCCL/NCCL ignore them).
+TAG_HEADER, TAG_PAYLOAD = 1, 2
 BYTE_KINDS = ("routed_rows", "shared_rows", "headers", "replies")
 REPLY_HEADER_LEN = 8
 WAIT_SLICE_SECONDS = 0.05
 WATCHER_JOIN_SECONDS = 2.0
 PROCESS_GROUP_TIMEOUT = timedelta(days=1)
-
+CPU = torch.device("cpu")
 
 # --------------------------------------------------------------------------- messages
 
@@ -134,7 +149,8 @@ class Handle(Protocol):
 
 
 class Transport(Protocol):
-    """Non-blocking point-to-point primitive the connector is written against."""
+    """Non-blocking point-to-point primitive the connector is written against (one per
+    process group: ``transport_wrapper`` sees each of them)."""
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Handle: ...
 
@@ -169,13 +185,35 @@ class _Tracked:
     def is_completed(self) -> bool:
         return self.done.is_set()
 
-    def wait(self) -> None:
+    def ready(self, timeout: float) -> bool:
+        return self.done.wait(timeout)
+
+    def result(self) -> None:
         if self.error is not None:
             raise self.error
 
 
+class _StreamOrdered:
+    """A nccl/hccl work: ``result()`` makes the caller's current stream wait for it (no host
+    wait); ``is_completed()`` polls its device event, for releasing sent buffers."""
+
+    __slots__ = ("handle", "peer")
+
+    def __init__(self, handle, peer: int):
+        self.handle, self.peer = handle, peer
+
+    def is_completed(self) -> bool:
+        return self.handle.is_completed()
+
+    def ready(self, timeout: float) -> bool:
+        return True
+
+    def result(self) -> None:
+        self.handle.wait()
+
+
 class _Watcher:
-    """Waits on one peer's handles of one direction in post order (the order they complete)."""
+    """Waits on one peer's handles of one link in post order (the order they complete)."""
 
     def __init__(self, name: str):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -206,6 +244,30 @@ class _Watcher:
         self._thread.join(max(0.0, deadline - time.monotonic()))
 
 
+class _Link:
+    """One direction of one plane, on a process group of its own. On a link one side of each
+    pair only sends and the other only receives, in the same order: in-order execution per
+    pair cannot deadlock it, and a receive waiting on it never holds up the other direction."""
+
+    def __init__(self, name: str, transport: Transport, *, on_stream: bool, rank: int, wakeup: threading.Event):
+        self.name, self.transport, self.on_stream = name, transport, on_stream
+        self._rank, self._wakeup = rank, wakeup
+        self._watchers: dict[int, _Watcher] = {}
+
+    def track(self, handle, peer: int) -> _Tracked | _StreamOrdered:
+        if self.on_stream:
+            return _StreamOrdered(handle, peer)
+        watcher = self._watchers.get(peer)
+        if watcher is None:
+            watcher = self._watchers[peer] = _Watcher(f"afd-{self._rank}-{self.name}-{peer}")
+        return watcher.track(handle, peer, self._wakeup)
+
+    def stop(self, deadline: float) -> None:
+        for watcher in self._watchers.values():
+            watcher.stop(deadline)
+        self._watchers = {}
+
+
 @dataclass
 class _InFlight:
     """Handles with the tensors they use: the references keep buffers alive until done."""
@@ -219,6 +281,33 @@ class _InFlight:
 
     def done(self) -> bool:
         return all(h.is_completed() for h in self.handles)
+
+
+@dataclass
+class _ExpectedReply:
+    """A reply header receive posted at dispatch, with what the header must say."""
+
+    ticket: DispatchTicket
+    routed_rows: int
+    shared_rows: int
+    handle: _Tracked
+    header: torch.Tensor
+
+
+def choose_data_plane(requests: list[tuple[str, str]]) -> str:
+    """The data plane of a world from every rank's (requested plane, device identity): one
+    request for all; ``auto`` is ``direct`` when every rank owns an accelerator of its own,
+    else ``staged`` (CPU ranks; NCCL refuses two ranks of one communicator on one GPU)."""
+    requested = sorted({plane for plane, _ in requests})
+    if len(requested) != 1:
+        raise ValueError(f"data_plane: every rank of the AFD world must request the same data plane "
+                         f"(got {', '.join(requested)})")
+    if requested[0] != "auto":
+        return requested[0]
+    identities = [identity for _, identity in requests]
+    if "cpu" in identities or len(set(identities)) < len(identities):
+        return "staged"
+    return "direct"
 
 
 # --------------------------------------------------------------------------- contract
@@ -274,6 +363,7 @@ class P2PConnector(AFDConnector):
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
         timeout_seconds: float = 60.0,
+        data_plane: str = "auto",
         metrics: RuntimeMetrics | None = None,
         transport_wrapper: Callable[[Transport], Transport] | None = None,
     ):
@@ -283,6 +373,8 @@ class P2PConnector(AFDConnector):
         in_range = 0 <= rank < num_attention_ranks if role == "attention" else num_attention_ranks <= rank < world
         if not in_range:
             raise ValueError(f"rank {rank} is not a {role} rank of a {num_attention_ranks}A{num_ffn_ranks}F world")
+        if data_plane not in DATA_PLANES:
+            raise ValueError(f"data_plane must be one of {', '.join(DATA_PLANES)} (got {data_plane!r})")
         self.role, self.rank = role, rank
         self.num_attention_ranks, self.num_ffn_ranks = num_attention_ranks, num_ffn_ranks
         self.world_size = world
@@ -290,54 +382,98 @@ class P2PConnector(AFDConnector):
         self.hidden_size, self.local_experts, self.dtype = hidden_size, local_experts, dtype
         self.device = resolve_device(device)
         self.timeout_seconds = timeout_seconds
+        self.requested_data_plane = data_plane
+        self.data_plane: str | None = None  # agreed by the world at init()
         self.metrics = metrics
         self._transport_wrapper = transport_wrapper
         self.sent_bytes = dict.fromkeys(BYTE_KINDS, 0)
         self._store = None
-        self._process_group = None
-        self._transport: Transport | None = None
+        self._links: dict[str, _Link] = {}
         self._closed = threading.Event()
         self._initialized = False
         self._failed = False
         self._heartbeat: _Heartbeat | None = None
         self._seq = 0
-        self._pending: dict[int, deque] = {}
+        self._pending: dict[int, deque[DispatchTicket]] = {}
+        self._expected: dict[int, deque[_ExpectedReply]] = {}
+        self._arrived: dict[int, dict[int, tuple[torch.Tensor, object]]] = {}
         self._sends_in_flight: deque[_InFlight] = deque()
         self._header_recvs: dict[int, tuple[_Tracked, torch.Tensor]] = {}
         self._active_sources: list[int] = []
         self._next_source = 0
-        self._watchers: dict[tuple[int, str], _Watcher] = {}
         self._wakeup = threading.Event()
+
+    @classmethod
+    def from_config(cls, cfg: AFDConfig, *, role: str, rank: int, hidden_size: int, local_experts: int,
+                    dtype: torch.dtype, device: str | torch.device = "cpu", metrics: RuntimeMetrics | None = None,
+                    transport_wrapper: Callable[[Transport], Transport] | None = None,
+                    data_plane: str | None = None) -> P2PConnector:
+        """The connector of world rank ``rank`` for an ``afd`` config; the data plane comes
+        from ``data_plane`` or else the config's ``connector_extra_config.data_plane``."""
+        return cls(role=role, rank=rank, num_attention_ranks=cfg.num_attention_ranks,
+                   num_ffn_ranks=cfg.num_ffn_ranks, host=cfg.host, port=cfg.port, hidden_size=hidden_size,
+                   local_experts=local_experts, dtype=dtype, device=device, timeout_seconds=cfg.timeout_seconds,
+                   data_plane=data_plane or cfg.data_plane, metrics=metrics,
+                   transport_wrapper=transport_wrapper)
 
     # ------------------------------------------------------------------ lifetime
     @property
     def is_initialized(self) -> bool:
         return self._initialized and not self._closed.is_set()
 
+    @property
+    def _staged(self) -> bool:
+        return self.data_plane == "staged"
+
     def init(self) -> None:
         if self._closed.is_set():
             raise ConnectorClosedError(f"rank {self.rank}: init() after close()")
         timeout = timedelta(seconds=self.timeout_seconds)
         try:
-            # The store bounds the rendezvous; the process group's own timeout would break the
+            # The store bounds the rendezvous; the process groups' own timeout would break the
             # pairs of an FFN rank that is merely idle, so liveness is checked by heartbeats instead.
             self._store = dist.TCPStore(self.host, self.port, self.world_size, self.rank == 0, timeout)
-            self._process_group = new_process_group(self.device, self._store, self.rank, self.world_size,
-                                                    PROCESS_GROUP_TIMEOUT)
+            self.data_plane = self._agree_on_data_plane()
+            data_device = CPU if self._staged else self.device
+            groups = {"work-control": CPU, "reply-control": CPU, "work-data": data_device, "reply-data": data_device}
+            transports = {
+                name: ProcessGroupTransport(new_process_group(
+                    device, dist.PrefixStore(f"afd/{name}", self._store), self.rank, self.world_size,
+                    PROCESS_GROUP_TIMEOUT))
+                for name, device in groups.items()
+            }
+        except ValueError:
+            self._failed = True
+            raise
         except Exception as exc:
             self._failed = True
             raise PeerLostError(
                 f"rank {self.rank} ({self.role}): AFD rendezvous at {self.host}:{self.port} for world size "
                 f"{self.world_size} failed within {self.timeout_seconds}s: {exc}"
             ) from exc
-        transport: Transport = ProcessGroupTransport(self._process_group)
-        self._transport = self._transport_wrapper(transport) if self._transport_wrapper else transport
+        wrap = self._transport_wrapper or (lambda transport: transport)
+        self._links = {name: _Link(name, wrap(transport), on_stream=orders_on_stream(groups[name]), rank=self.rank,
+                                   wakeup=self._wakeup)
+                       for name, transport in transports.items()}
         self._heartbeat = _Heartbeat(self.host, self.port, self.rank, self.timeout_seconds)
         if self.role == "ffn":
             self._active_sources = list(range(self.num_attention_ranks))
             for source in self._active_sources:
                 self._post_header_recv(source)
+        else:
+            self._expected = {f: deque() for f in range(self.num_ffn_ranks)}
+            self._arrived = {f: {} for f in range(self.num_ffn_ranks)}
         self._initialized = True
+
+    def _agree_on_data_plane(self) -> str:
+        """Every rank publishes its request and device in the store and applies the same rule
+        to all of them, so both ends of every pair pick the same plane. Bounded like the
+        process groups' rendezvous: by the store (rank 0 waits for every rank to connect)."""
+        self._store.set(f"afd/data-plane/{self.rank}",
+                        json.dumps([self.requested_data_plane, device_identity(self.device)]))
+        keys = [f"afd/data-plane/{r}" for r in range(self.world_size)]
+        self._store.wait(keys, PROCESS_GROUP_TIMEOUT)
+        return choose_data_plane([tuple(json.loads(self._store.get(key))) for key in keys])
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -350,26 +486,24 @@ class P2PConnector(AFDConnector):
             self._heartbeat.stop()
         # Joined so no watcher is still inside the backend when the process exits.
         deadline = time.monotonic() + WATCHER_JOIN_SECONDS
-        for watcher in self._watchers.values():
-            watcher.stop(deadline)
-        self._watchers = {}
-        # Drop pending work and retained tensors (the process group goes with them). Fresh
+        for link in self._links.values():
+            link.stop(deadline)
+        # Drop pending work and retained tensors (the process groups go with them). Fresh
         # containers, not clear(): a receiver blocked in another thread still iterates the old ones.
-        self._pending = {}
+        self._pending, self._expected, self._arrived = {}, {}, {}
         self._sends_in_flight = deque()
         self._header_recvs = {}
-        self._transport = None
-        self._process_group = None
+        self._links = {}
         self._store = None
 
     def _send_shutdown(self) -> None:
-        flight = _InFlight()
+        handles = []
         for f in range(self.num_ffn_ranks):
             header = encode_work_header(KIND_SHUTDOWN, -1, self._seq, -1, self.rank, self.dtype, self.hidden_size,
                                         None, self.local_experts)
-            flight.add(self._isend(header, self.num_attention_ranks + f, TAG_WORK_HEADER), header)
+            handles.append(self._isend("work-control", header, self.num_attention_ranks + f, TAG_HEADER))
         try:
-            self._wait([flight], "shutdown notice", peers=[], deadline=time.monotonic() + min(5.0, self.timeout_seconds))
+            self._wait(handles, "shutdown notice", peers=[], deadline=time.monotonic() + min(5.0, self.timeout_seconds))
         except AFDError:
             pass  # peers already gone: nothing left to notify
 
@@ -381,17 +515,30 @@ class P2PConnector(AFDConnector):
         if self.role != side:
             raise AFDError(f"rank {self.rank}: {side}-side operation on a {self.role} connector")
 
-    # ------------------------------------------------------------------ waiting
-    def _wait(self, flights: list[_InFlight], what: str, *, peers: list[int], deadline: float | None) -> None:
+    # ------------------------------------------------------------------ posting and waiting
+    def _isend(self, link: str, tensor: torch.Tensor, dst: int, tag: int):
+        return self._post(self._links[link], "isend", tensor, dst, tag)
+
+    def _irecv(self, link: str, tensor: torch.Tensor, src: int, tag: int):
+        return self._post(self._links[link], "irecv", tensor, src, tag)
+
+    def _post(self, link: _Link, operation: str, tensor: torch.Tensor, peer: int, tag: int):
+        try:
+            handle = getattr(link.transport, operation)(tensor, peer, tag)
+        except Exception as exc:  # e.g. the pair was closed by a dead peer
+            self._failed = True
+            raise PeerLostError(f"rank {self.rank}: connection to {self._peer_name(peer)} failed: {exc}") from exc
+        return link.track(handle, peer)
+
+    def _wait(self, handles: list, what: str, *, peers: list[int], deadline: float | None) -> None:
         """Wait until every handle completes; close() unblocks us and a lost peer surfaces
         as an error within the timeout."""
-        for flight in flights:
-            for handle in flight.handles:
-                while not handle.done.wait(WAIT_SLICE_SECONDS):
-                    self._check_progress(what, peers, deadline)
-                if self._closed.is_set():
-                    raise ConnectorClosedError(f"rank {self.rank}: connector closed while waiting for {what}")
-                self._finish(handle, what, peers)
+        for handle in handles:
+            while not handle.ready(WAIT_SLICE_SECONDS):
+                self._check_progress(what, peers, deadline)
+            if self._closed.is_set():
+                raise ConnectorClosedError(f"rank {self.rank}: connector closed while waiting for {what}")
+            self._finish(handle, what, peers)
 
     def _check_progress(self, what: str, peers: list[int], deadline: float | None) -> None:
         if self._closed.is_set():
@@ -404,32 +551,39 @@ class P2PConnector(AFDConnector):
             raise PeerLostError(f"rank {self.rank}: no {what} from {names} within {self.timeout_seconds}s "
                                 "(peer dead or not answering)")
 
-    def _watcher(self, peer: int, direction: str) -> _Watcher:
-        watcher = self._watchers.get((peer, direction))
-        if watcher is None:
-            watcher = self._watchers[(peer, direction)] = _Watcher(f"afd-{self.rank}-{direction}-{peer}")
-        return watcher
-
-    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> _Tracked:
-        return self._watcher(dst, "send").track(self._post(self._transport.isend, tensor, dst, tag), dst, self._wakeup)
-
-    def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> _Tracked:
-        return self._watcher(src, "recv").track(self._post(self._transport.irecv, tensor, src, tag), src, self._wakeup)
-
-    def _post(self, operation, tensor: torch.Tensor, peer: int, tag: int):
+    def _finish(self, handle, what: str, peers: list[int] = ()) -> None:
         try:
-            return operation(tensor, peer, tag)
-        except Exception as exc:  # e.g. the pair was closed by a dead peer
-            self._failed = True
-            raise PeerLostError(f"rank {self.rank}: connection to {self._peer_name(peer)} failed: {exc}") from exc
-
-    def _finish(self, handle: _Tracked, what: str, peers: list[int] = ()) -> None:
-        try:
-            handle.wait()
+            handle.result()
         except Exception as exc:
             self._failed = True
             names = ", ".join(self._peer_name(p) for p in peers) or "a peer"
             raise PeerLostError(f"rank {self.rank}: connection to {names} failed during {what}: {exc}") from exc
+
+    def _outgoing(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Payload tensors as the data plane sends them: host copies when staged."""
+        return to_host(tensors) if self._staged else [t.contiguous() for t in tensors]
+
+    def _post_payload_recv(self, link: str, rows: int, peer: int) -> tuple[torch.Tensor, object]:
+        """A payload receive, posted only once a header announced it (an idle rank never has
+        a device receive pending); no receive at all for zero rows."""
+        shape = (rows, self.hidden_size)
+        buffer = host_buffer(shape, self.dtype, self.device) if self._staged else \
+            torch.empty(shape, dtype=self.dtype, device=self.device)
+        return buffer, (self._irecv(link, buffer, peer, TAG_PAYLOAD) if rows else None)
+
+    def _received(self, buffer: torch.Tensor, handle, what: str, peer: int) -> torch.Tensor:
+        if handle is not None:
+            self._wait([handle], what, peers=[peer], deadline=time.monotonic() + self.timeout_seconds)
+        return to_device(buffer, self.device) if self._staged else buffer
+
+    def _reap_sends(self) -> None:
+        while self._sends_in_flight and self._sends_in_flight[0].done():
+            for handle in self._sends_in_flight[0].handles:
+                self._finish(handle, "send", [handle.peer])
+            self._sends_in_flight.popleft()
+
+    def sends_in_flight(self) -> int:
+        return len(self._sends_in_flight)
 
     def _peer_name(self, rank: int) -> str:
         if rank < self.num_attention_ranks:
@@ -447,35 +601,30 @@ class P2PConnector(AFDConnector):
         self._require_open("attention")
         if len(payloads) != self.num_ffn_ranks:
             raise ValueError(f"dispatch needs one payload per FFN rank ({self.num_ffn_ranks}), got {len(payloads)}")
-        ticket = DispatchTicket(layer=layer, seq=self._seq, stage=stage)
-        self._seq += 1
-        wait_event(record_ready_event(self.device))  # payload rows complete before the send reads them
-        sends, reply_recvs = _InFlight(), []
-        reply_tag = TAG_REPLY_BASE + 2 * stage
         for f, payload in enumerate(payloads):
             if payload.rows.shape != (payload.routed_rows + payload.shared_extra, self.hidden_size):
                 raise PayloadError(f"payload for FFN rank {f}: rows shape {tuple(payload.rows.shape)} does not match "
                                    f"its counts ({payload.routed_rows} routed + {payload.shared_extra} extra shared)")
+        ticket = DispatchTicket(layer=layer, seq=self._seq, stage=stage)
+        self._seq += 1
+        sends = _InFlight()
+        for f, (payload, rows) in enumerate(zip(payloads, self._outgoing([p.rows for p in payloads]))):
             dst = self.num_attention_ranks + f
             header = encode_work_header(KIND_WORK, layer, ticket.seq, stage, self.rank, self.dtype, self.hidden_size,
                                         payload, self.local_experts)
-            # Post the reply receives first so a fast FFN rank never waits on us.
-            reply_header = torch.empty(REPLY_HEADER_LEN, dtype=torch.int64)
-            reply_rows = payload.routed_rows + payload.shared_rows
-            reply = torch.empty(reply_rows, self.hidden_size, dtype=self.dtype, device=self.device)
-            recv = _InFlight()
-            recv.add(self._irecv(reply_header, dst, reply_tag), reply_header)
-            if reply_rows:
-                recv.add(self._irecv(reply, dst, reply_tag + 1), reply)
-            reply_recvs.append((recv, reply_header, reply, payload))
-            sends.add(self._isend(header, dst, TAG_WORK_HEADER), header)
+            sends.add(self._isend("work-control", header, dst, TAG_HEADER), header)
             self._count("headers", header)
-            if payload.rows.shape[0]:
-                rows = payload.rows.contiguous()
-                sends.add(self._isend(rows, dst, TAG_WORK_PAYLOAD), rows)
+            if rows.shape[0]:
+                sends.add(self._isend("work-data", rows, dst, TAG_PAYLOAD), rows)
                 self._count("routed_rows", rows[: payload.routed_rows])
                 self._count("shared_rows", rows[payload.routed_rows:])
-        self._pending.setdefault(stage, deque()).append((ticket, sends, reply_recvs))
+            # The reply header receive waits on the reply group, which carries no send of ours.
+            reply_header = torch.empty(REPLY_HEADER_LEN, dtype=torch.int64)
+            self._expected[f].append(_ExpectedReply(
+                ticket, payload.routed_rows, payload.shared_rows,
+                self._irecv("reply-control", reply_header, dst, TAG_HEADER), reply_header))
+        self._sends_in_flight.append(sends)
+        self._pending.setdefault(stage, deque()).append(ticket)
         return ticket
 
     def receive_replies(self, stage: int) -> tuple[DispatchTicket, list[torch.Tensor]]:
@@ -483,30 +632,44 @@ class P2PConnector(AFDConnector):
         queue_ = self._pending.get(stage)
         if not queue_:
             raise PairingError(f"rank {self.rank}: receive_replies(stage={stage}) without a pending dispatch")
-        ticket, sends, reply_recvs = queue_[0]
+        ticket = queue_[0]
         started = time.monotonic()
         deadline = started + self.timeout_seconds
-        replies = []
-        for f, (recv, header, reply, payload) in enumerate(reply_recvs):
-            peer = self.num_attention_ranks + f
-            self._wait([recv], f"reply to layer {ticket.layer} seq {ticket.seq}", peers=[peer], deadline=deadline)
-            got = header.tolist()
-            expected = [MAGIC, KIND_REPLY, ticket.layer, ticket.seq, ticket.stage, peer, payload.routed_rows,
-                        payload.shared_rows]
-            if got != expected:
-                self._failed = True
-                raise PairingError(
-                    f"rank {self.rank}: reply from {self._peer_name(peer)} does not match the oldest pending dispatch "
-                    f"of stage {stage}: expected [magic, kind, layer, seq, stage, source, routed, shared] = "
-                    f"{expected}, got {got}"
-                )
-            replies.append(reply)
-        # Sent buffers are released only once their sends are complete.
-        self._wait([sends], f"send completion of seq {ticket.seq}", peers=[], deadline=deadline)
+        replies = [self._reply(f, ticket, deadline) for f in range(self.num_ffn_ranks)]
         queue_.popleft()
+        self._reap_sends()  # sent buffers are released only once their sends are complete
         if self.metrics is not None:
             self.metrics.attention_reply_wait.observe(time.monotonic() - started)
         return ticket, replies
+
+    def _reply(self, f: int, ticket: DispatchTicket, deadline: float) -> torch.Tensor:
+        """FFN rank f's reply to ``ticket``. An FFN rank answers one Attention rank in dispatch
+        order, so earlier replies (other stages) are taken first and kept: their payload
+        receives are posted in the order the FFN rank sends them."""
+        peer = self.num_attention_ranks + f
+        arrived = self._arrived[f]
+        while ticket.seq not in arrived:
+            expected = self._expected[f].popleft()
+            self._wait([expected.handle], f"reply to layer {expected.ticket.layer} seq {expected.ticket.seq}",
+                       peers=[peer], deadline=deadline)
+            self._check_reply_header(expected, peer)
+            arrived[expected.ticket.seq] = self._post_payload_recv(
+                "reply-data", expected.routed_rows + expected.shared_rows, peer)
+        buffer, handle = arrived.pop(ticket.seq)
+        return self._received(buffer, handle, f"reply payload of seq {ticket.seq}", peer)
+
+    def _check_reply_header(self, expected: _ExpectedReply, peer: int) -> None:
+        ticket = expected.ticket
+        got = expected.header.tolist()
+        want = [MAGIC, KIND_REPLY, ticket.layer, ticket.seq, ticket.stage, peer, expected.routed_rows,
+                expected.shared_rows]
+        if got != want:
+            self._failed = True
+            raise PairingError(
+                f"rank {self.rank}: reply from {self._peer_name(peer)} does not match the oldest pending dispatch "
+                f"of stage {ticket.stage}: expected [magic, kind, layer, seq, stage, source, routed, shared] = "
+                f"{want}, got {got}"
+            )
 
     def pending_dispatches(self) -> int:
         return sum(len(q) for q in self._pending.values())
@@ -514,7 +677,7 @@ class P2PConnector(AFDConnector):
     # ------------------------------------------------------------------ FFN side
     def _post_header_recv(self, source: int) -> None:
         header = torch.empty(work_header_len(self.local_experts), dtype=torch.int64)
-        self._header_recvs[source] = (self._irecv(header, source, TAG_WORK_HEADER), header)
+        self._header_recvs[source] = (self._irecv("work-control", header, source, TAG_HEADER), header)
 
     def receive_work(self) -> WorkItem | None:
         self._require_open("ffn")
@@ -550,14 +713,10 @@ class P2PConnector(AFDConnector):
             self._active_sources.remove(source)
             del self._header_recvs[source]
             return None
-        rows = torch.empty(sum(routed) + extra, self.hidden_size, dtype=self.dtype, device=self.device)
-        flight = _InFlight()
-        if rows.shape[0]:
-            flight.add(self._irecv(rows, source, TAG_WORK_PAYLOAD), rows)
-        # Re-post the next header receive only after the payload receive (FIFO on tagless backends).
+        buffer, handle = self._post_payload_recv("work-data", sum(routed) + extra, source)
+        # The next header receive is posted after the payload receive: the order the peer sends in.
         self._post_header_recv(source)
-        self._wait([flight], f"work payload from Attention rank {source}", peers=[source],
-                   deadline=time.monotonic() + self.timeout_seconds)
+        rows = self._received(buffer, handle, f"work payload from Attention rank {source}", source)
         return WorkItem(source=source, layer=layer, seq=seq, stage=stage,
                         payload=FFNPayload(rows=rows, routed_counts=routed, shared_prefix=prefix, shared_extra=extra))
 
@@ -566,28 +725,17 @@ class P2PConnector(AFDConnector):
         if rows.shape != (routed_rows + shared_rows, self.hidden_size):
             raise PayloadError(f"reply rows shape {tuple(rows.shape)} must be ({routed_rows + shared_rows}, "
                                f"{self.hidden_size})")
-        wait_event(record_ready_event(self.device))
         header = torch.tensor([MAGIC, KIND_REPLY, item.layer, item.seq, item.stage, self.rank, routed_rows,
                                shared_rows], dtype=torch.int64)
-        tag = TAG_REPLY_BASE + 2 * item.stage
         flight = _InFlight()
-        flight.add(self._isend(header, item.source, tag), header)
+        flight.add(self._isend("reply-control", header, item.source, TAG_HEADER), header)
         self._count("headers", header)
         if rows.shape[0]:
-            rows = rows.contiguous()
-            flight.add(self._isend(rows, item.source, tag + 1), rows)
+            (rows,) = self._outgoing([rows])
+            flight.add(self._isend("reply-data", rows, item.source, TAG_PAYLOAD), rows)
             self._count("replies", rows)
         self._sends_in_flight.append(flight)
         self._reap_sends()
-
-    def _reap_sends(self) -> None:
-        while self._sends_in_flight and self._sends_in_flight[0].done():
-            for handle in self._sends_in_flight[0].handles:
-                self._finish(handle, "reply send", [handle.peer])
-            self._sends_in_flight.popleft()
-
-    def sends_in_flight(self) -> int:
-        return len(self._sends_in_flight)
 
 
 class _Heartbeat:

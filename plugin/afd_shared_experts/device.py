@@ -6,6 +6,8 @@ Import-safe on CPU: torch_npu is imported only when an NPU is requested.
 from __future__ import annotations
 
 import importlib.util
+import os
+import socket
 from datetime import timedelta
 
 import torch
@@ -48,7 +50,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def new_process_group(device: torch.device, store: dist.Store, rank: int, world_size: int, timeout: timedelta):
-    """A process group of the AFD world, separate from the caller's default group."""
+    """A process group of the AFD world for tensors on ``device`` (gloo for ``cpu``),
+    separate from the caller's default group."""
     backend = BACKEND_BY_DEVICE[device.type]
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
@@ -64,16 +67,56 @@ def new_process_group(device: torch.device, store: dist.Store, rank: int, world_
     return ProcessGroupHCCL(store, rank, world_size, options)
 
 
-def record_ready_event(device: torch.device):
-    """Event marking that work queued so far on the current stream is done (None on CPU,
-    where every op is complete when it returns)."""
+def orders_on_stream(device: torch.device) -> bool:
+    """Whether point-to-point works on ``device``'s backend complete on a device stream
+    (nccl/hccl: ``wait()`` makes the caller's current stream wait, the host does not), as
+    opposed to gloo, whose works complete only through a host-blocking ``wait()``."""
+    return BACKEND_BY_DEVICE[device.type] != "gloo"
+
+
+def device_identity(device: torch.device) -> str:
+    """Names the physical device across processes of one machine, so ranks can tell that
+    two of them share one accelerator (NCCL refuses two ranks of a communicator on one GPU)."""
     if device.type == "cpu":
-        return None
-    event = torch.Event(device=device)
+        return "cpu"
+    host = socket.gethostname()
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"{host}/cuda/{torch.cuda.get_device_properties(index).uuid}"
+    index = device.index if device.index is not None else torch.npu.current_device()
+    visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES", "").split(",")
+    physical = visible[index] if index < len(visible) and visible[index].strip() else str(index)
+    return f"{host}/npu/{physical.strip()}"
+
+
+# --------------------------------------------------------------------------- host staging
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous host copies of device tensors for a gloo send (the tensors themselves on CPU).
+
+    The copies go to pinned memory without blocking, then one event waits for all of them:
+    one host wait per batch of payloads, not one per tensor."""
+    if not tensors or tensors[0].device.type == "cpu":
+        return [t.contiguous() for t in tensors]
+    copies = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for copy, tensor in zip(copies, tensors):
+        copy.copy_(tensor, non_blocking=True)
+    event = torch.Event(device=tensors[0].device)
     event.record()
-    return event
+    event.synchronize()  # gloo reads the host buffers from another thread, outside stream order
+    return copies
 
 
-def wait_event(event) -> None:
-    if event is not None:
-        event.synchronize()
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A receive buffer for a host-staged payload bound for ``device`` (pinned on accelerators,
+    so the copy up can be asynchronous)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type != "cpu")
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A received host buffer on ``device``: an asynchronous copy ordered on the current stream
+    (the pinned host block stays reserved by the allocator until the copy is done)."""
+    if device.type == "cpu":
+        return host
+    return host.to(device, non_blocking=True)

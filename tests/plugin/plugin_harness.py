@@ -169,15 +169,26 @@ def run_threads(targets: list, timeout: float = 120.0) -> list:
     return results
 
 
+def make_connector(spec, role: str, rank: int, attention_ranks: int, ffn_ranks: int, port: int, *,
+                   timeout: float, dtype: torch.dtype = torch.float32, **options):
+    """One rank's P2PConnector on loopback, built as the plugin builds it: from an AFDConfig."""
+    from afd_shared_experts.config import AFDConfig
+    from afd_shared_experts.connector import P2PConnector
+
+    cfg = AFDConfig(role=role, num_attention_ranks=attention_ranks, num_ffn_ranks=ffn_ranks, host="127.0.0.1",
+                    port=port, timeout_seconds=timeout)
+    return P2PConnector.from_config(cfg, role=role, rank=rank, hidden_size=spec.hidden_size,
+                                    local_experts=spec.local_experts(ffn_ranks), dtype=dtype, **options)
+
+
 class ThreadWorld:
     """A + F real ranks (gloo over loopback) as threads of the test process: one rendezvous,
     then any number of steps. Cheaper than processes, same code paths."""
 
     def __init__(self, model_dir, attention_ranks: int, ffn_ranks: int, *, placement: str = "ffn",
                  partition: str = "affinity", dtype: str = "float32", timeout: float = 20.0,
-                 transport_wrapper=None, with_metrics: bool = False):
+                 transport_wrapper=None, with_metrics: bool = False, data_plane: str | None = None):
         from afd_shared_experts.attention import AttentionMoELayer, RemoteMoE
-        from afd_shared_experts.connector import P2PConnector
         from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
         from afd_shared_experts.metrics import RuntimeMetrics
         from afd_shared_experts.model import load_attention_weights, load_ffn_weights, load_spec
@@ -189,10 +200,9 @@ class ThreadWorld:
 
         def connector(role, rank):
             metrics = RuntimeMetrics(role) if with_metrics else None
-            return P2PConnector(role=role, rank=rank, num_attention_ranks=attention_ranks, num_ffn_ranks=ffn_ranks,
-                                host="127.0.0.1", port=port, hidden_size=spec.hidden_size,
-                                local_experts=spec.local_experts(ffn_ranks), dtype=torch_dtype, timeout_seconds=timeout,
-                                metrics=metrics, transport_wrapper=transport_wrapper)
+            return make_connector(spec, role, rank, attention_ranks, ffn_ranks, port, timeout=timeout,
+                                  dtype=torch_dtype, metrics=metrics, transport_wrapper=transport_wrapper,
+                                  data_plane=data_plane)
 
         self.attention_connectors = [connector("attention", a) for a in range(attention_ranks)]
         self.ffn_connectors = [connector("ffn", attention_ranks + f) for f in range(ffn_ranks)]
@@ -296,15 +306,54 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def attention_rank_that_idles(model_dir, port: int, attention_ranks: int, ffn_ranks: int, rank: int) -> None:
-    """Child process body: an Attention rank that joins the world and then does nothing."""
-    from afd_shared_experts.connector import P2PConnector
+def attention_rank_that_idles(model_dir, port: int, attention_ranks: int, ffn_ranks: int, rank: int, ready) -> None:
+    """Child process body: an Attention rank that joins the world and then does nothing.
+    ``ready`` is set once the interpreter is up, so the parent's short rendezvous bound
+    does not race the child's start."""
     from afd_shared_experts.model import load_spec
 
     torch.set_num_threads(1)
-    spec = load_spec(model_dir)
-    connector = P2PConnector(role="attention", rank=rank, num_attention_ranks=attention_ranks, num_ffn_ranks=ffn_ranks,
-                             host="127.0.0.1", port=port, hidden_size=spec.hidden_size,
-                             local_experts=spec.local_experts(ffn_ranks), dtype=torch.float32, timeout_seconds=3)
+    connector = make_connector(load_spec(model_dir), "attention", rank, attention_ranks, ffn_ranks, port, timeout=3)
+    ready.set()
     connector.init()
     time.sleep(600)
+
+
+def ffn_rank_that_serves(model_dir, port: int, ready) -> None:
+    """Child process body: the FFN rank of a 1A1F world serving until its Attention rank
+    shuts down; ``ready`` as above."""
+    from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
+    from afd_shared_experts.model import load_ffn_weights, load_spec
+
+    torch.set_num_threads(1)
+    spec = load_spec(model_dir)
+    experts = torch_experts(load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32))
+    connector = make_connector(spec, "ffn", 1, 1, 1, port, timeout=3)
+    ready.set()
+    connector.init()
+    FFNRuntime(connector, experts).serve()
+
+
+def _state_and_parent(stat_file: Path) -> tuple[str, int] | None:
+    """(state, ppid) from /proc/PID/stat (fields after the parenthesised command name); None once gone."""
+    try:
+        state, ppid = stat_file.read_text().rsplit(")", 1)[1].split()[:2]
+    except OSError:
+        return None
+    return state, int(ppid)
+
+
+def child_pids(pid: int) -> list[int]:
+    """Live child processes of `pid` (zombies excluded)."""
+    children = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        found = _state_and_parent(stat_file)
+        if found is not None and found[0] != "Z" and found[1] == pid:
+            children.append(int(stat_file.parent.name))
+    return sorted(children)
+
+
+def process_alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    found = _state_and_parent(Path(f"/proc/{pid}/stat"))
+    return found is not None and found[0] != "Z"

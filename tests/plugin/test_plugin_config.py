@@ -5,7 +5,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from afd_shared_experts.config import (
-    CONNECTORS, EXTRA_KEYS, PARTITIONS, PLACEMENTS, ROLES, SHARED_KEYS, TOP_LEVEL_KEYS, AFDConfig, AFDConfigError,
+    CONNECTORS, DATA_PLANES, EXTRA_KEYS, PARTITIONS, PLACEMENTS, ROLES, SHARED_KEYS, TOP_LEVEL_KEYS, AFDConfig,
+    AFDConfigError,
     SharedExpertsConfig, parse_afd_config,
 )
 
@@ -46,6 +47,8 @@ def test_afd_plugin_aliases_and_string_numbers():
     ({"connector_extra_config": {"attn_ranks_per_dp": 3}}, "afd.connector_extra_config.attn_ranks_per_dp", "divide"),
     ({"connector_extra_config": {"dynamicQuant": 2}}, "afd.connector_extra_config.dynamicQuant", "[0, 1]"),
     ({"connector_extra_config": {"extra": 1}}, "afd.connector_extra_config.extra", "unknown key"),
+    ({"connector_extra_config": {"data_plane": "nccl"}}, "afd.connector_extra_config.data_plane",
+     "must be one of auto, direct, staged"),
     ({"shared_experts": {"placement": "gpu"}}, "afd.shared_experts.placement", "must be one of"),
     ({"shared_experts": {"where": "ffn"}}, "afd.shared_experts.where", "unknown key"),
     ({"shared_experts": {"placement": "ffn"}, "async": False}, "afd.shared_experts.placement", "async connector"),
@@ -108,6 +111,7 @@ def afd_configs(draw) -> AFDConfig:
         compute_gate_on_attention=True if ffn_placement else draw(st.booleans()),
         attn_ranks_per_dp=attn_per_dp,
         dynamic_quant=0 if ffn_placement else draw(st.integers(min_value=0, max_value=1)),
+        data_plane=draw(st.sampled_from(DATA_PLANES)),
         shared_experts=SharedExpertsConfig(placement=placement, partition=draw(st.sampled_from(PARTITIONS))),
         metrics_port=metrics_port,
         health_port=health_port,

@@ -7,6 +7,7 @@ import time
 import urllib.error
 import urllib.request
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,26 +16,23 @@ import torch.distributed as dist
 from afd_devcluster import free_port
 from afd_shared_experts.attention import AttentionMoELayer, RemoteMoE
 from afd_shared_experts.compute import route
-from afd_shared_experts.connector import P2PConnector
 from afd_shared_experts.device import resolve_device
 from afd_shared_experts.errors import ConnectorClosedError, DeviceUnavailableError, PairingError, PeerLostError
 from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
 from afd_shared_experts.metrics import ProbeServer
 from afd_shared_experts.model import (CheckpointReader, load_attention_weights, load_ffn_weights, load_spec,
                                       tensor_bytes)
-from afd_shared_experts.selfcheck import RunSpec, run_ffn_rank
 from afd_shared_experts.tp import all_gather_and_trim, shard_tokens
 from plugin_harness import (DelayedCompletionTransport, ThreadWorld, assert_matches_oracle,
-                            attention_rank_that_idles, oracle_outputs, rss_bytes, run_threads)
+                            attention_rank_that_idles, ffn_rank_that_serves, make_connector, oracle_outputs,
+                            rss_bytes, run_threads)
 
 
 def connectors(model_dir, attention_ranks, ffn_ranks, timeout=10.0, dtype=torch.float32):
     spec = load_spec(model_dir)
     port = free_port()
-    made = [P2PConnector(role="attention" if r < attention_ranks else "ffn", rank=r,
-                         num_attention_ranks=attention_ranks, num_ffn_ranks=ffn_ranks, host="127.0.0.1", port=port,
-                         hidden_size=spec.hidden_size, local_experts=spec.local_experts(ffn_ranks), dtype=dtype,
-                         timeout_seconds=timeout)
+    made = [make_connector(spec, "attention" if r < attention_ranks else "ffn", r, attention_ranks, ffn_ranks, port,
+                           timeout=timeout, dtype=dtype)
             for r in range(attention_ranks + ffn_ranks)]
     run_threads([c.init for c in made])
     return spec, made
@@ -181,8 +179,8 @@ def _raises(fn, *args):
 
 
 def test_close_after_partial_init_is_safe():
-    connector = P2PConnector(role="ffn", rank=1, num_attention_ranks=1, num_ffn_ranks=1, host="127.0.0.1",
-                             port=free_port(), hidden_size=8, local_experts=2, dtype=torch.float32, timeout_seconds=1)
+    spec = SimpleNamespace(hidden_size=8, local_experts=lambda ffn_ranks: 2)
+    connector = make_connector(spec, "ffn", 1, 1, 1, free_port(), timeout=1)
     with pytest.raises(PeerLostError, match=r"rendezvous at 127\.0\.0\.1:\d+ for world size 2 failed"):
         connector.init()  # nobody hosts the store
     connector.close()
@@ -195,14 +193,13 @@ def test_killed_ffn_rank_fails_attention_within_timeout(checkpoints):
     model_dir = checkpoints["deepseek_v2"]
     spec = load_spec(model_dir)
     port = free_port()
-    run = RunSpec(model_dir=str(model_dir), attention_ranks=1, ffn_ranks=1, placement="ffn", port=port,
-                  timeout_seconds=3)
-    child = multiprocessing.get_context("spawn").Process(target=run_ffn_rank, args=(run, 0), daemon=True)
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    child = context.Process(target=ffn_rank_that_serves, args=(str(model_dir), port, ready), daemon=True)
     child.start()
-    attention = P2PConnector(role="attention", rank=0, num_attention_ranks=1, num_ffn_ranks=1, host="127.0.0.1",
-                             port=port, hidden_size=spec.hidden_size, local_experts=spec.local_experts(1),
-                             dtype=torch.float32, timeout_seconds=3)
+    attention = make_connector(spec, "attention", 0, 1, 1, port, timeout=3)
     try:
+        assert ready.wait(60)
         attention.init()
         weights = load_attention_weights(model_dir, spec, "ffn", torch.float32)
         layer = spec.moe_layers[0]
@@ -227,16 +224,14 @@ def test_killed_attention_rank_fails_ffn_loop_with_clear_error(checkpoints):
     model_dir = checkpoints["deepseek_v2"]
     spec = load_spec(model_dir)
     port = free_port()
-    child = multiprocessing.get_context("spawn").Process(
-        target=attention_rank_that_idles, args=(str(model_dir), port, 2, 1, 1), daemon=True)
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    child = context.Process(target=attention_rank_that_idles, args=(str(model_dir), port, 2, 1, 1, ready), daemon=True)
     child.start()
-    attention0 = P2PConnector(role="attention", rank=0, num_attention_ranks=2, num_ffn_ranks=1, host="127.0.0.1",
-                              port=port, hidden_size=spec.hidden_size, local_experts=spec.local_experts(1),
-                              dtype=torch.float32, timeout_seconds=3)
-    ffn = P2PConnector(role="ffn", rank=2, num_attention_ranks=2, num_ffn_ranks=1, host="127.0.0.1", port=port,
-                       hidden_size=spec.hidden_size, local_experts=spec.local_experts(1), dtype=torch.float32,
-                       timeout_seconds=3)
+    attention0 = make_connector(spec, "attention", 0, 2, 1, port, timeout=3)
+    ffn = make_connector(spec, "ffn", 2, 2, 1, port, timeout=3)
     try:
+        assert ready.wait(60)
         run_threads([attention0.init, ffn.init], timeout=60)
         runtime = FFNRuntime(ffn, torch_experts(load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32))).start()
         child.kill()
