@@ -17,6 +17,16 @@ from .model import GateWeights, MoESpec, SharedExpertWeights
 from .partition import affinity_assignment, contiguous_ranges
 
 
+def host_row_counts(counts: torch.Tensor) -> list[list[list[int]]]:
+    """The Attention side's only host sync per MoE layer and step.
+
+    ``counts`` [2, F, E_local]: rows per (FFN rank, local expert), then how many of them
+    lead their group as shared-expert rows. The host needs them to size every send and
+    write the headers; nothing else in dispatch or combine reads device data on the host.
+    """
+    return counts.tolist()
+
+
 @dataclass
 class _RankPlan:
     tokens: torch.Tensor  # token index of each routed row, in wire order
@@ -32,10 +42,15 @@ class PendingCombine:
     total_rows: int
     local_shared: torch.Tensor | None
     hidden_size: int
+    device: torch.device
 
 
 class RemoteMoE:
-    """One MoE layer's routed (and, under placement 'ffn', shared) experts on FFN ranks."""
+    """One MoE layer's routed (and, under placement 'ffn', shared) experts on FFN ranks.
+
+    Every tensor of dispatch and combine lives on the input's device; the row counts are
+    read on the host once per call, in ``host_row_counts``.
+    """
 
     def __init__(
         self,
@@ -66,6 +81,17 @@ class RemoteMoE:
                 num_tokens: int | None = None, stage: int = 0) -> torch.Tensor:
         return self.combine(self.dispatch(hidden_states, topk_ids, topk_weights, num_tokens=num_tokens, stage=stage))
 
+    def _designated_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """[T * k] bool: the row that carries its token's shared work to the FFN side."""
+        real, top_k = ids.shape
+        if not (self.placement == "ffn" and self.partition == "affinity"):
+            return torch.zeros(real * top_k, dtype=torch.bool, device=ids.device)
+        assigned = affinity_assignment(ids, self.local_experts, self.num_ffn_ranks)
+        # The token's lowest-numbered expert on its assigned rank carries its shared work.
+        candidates = torch.where(ids // self.local_experts == assigned[:, None], ids, self.spec.num_routed_experts)
+        slot = torch.arange(top_k, device=ids.device)
+        return (slot == candidates.argmin(dim=1, keepdim=True)).reshape(-1)
+
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                  num_tokens: int | None = None, stage: int = 0) -> PendingCombine:
         """Send this step's rows. Rows at index >= num_tokens are padding: never sent, zero output."""
@@ -73,47 +99,49 @@ class RemoteMoE:
         real = total_rows if num_tokens is None else num_tokens
         if not 0 <= real <= total_rows:
             raise ValueError(f"num_tokens must be in [0, {total_rows}] (got {real})")
+        device = hidden_states.device
         x = hidden_states[:real].to(self.dtype)
         ids = topk_ids[:real].to(torch.int64)
-        weights = topk_weights[:real].float()
-        top_k = ids.shape[1] if ids.dim() == 2 else self.spec.top_k
-        e_local, ffn = self.local_experts, self.num_ffn_ranks
+        if ids.dim() != 2:
+            ids = ids.reshape(real, self.spec.top_k)
+        top_k = ids.shape[1]
+        ffn, num_experts = self.num_ffn_ranks, self.spec.num_routed_experts
 
-        token_of_row = torch.arange(real).repeat_interleave(top_k)
+        token_of_row = torch.arange(real * top_k, device=device) // top_k
         flat_ids = ids.reshape(-1)
-        designated = torch.zeros(flat_ids.shape[0], dtype=torch.bool)
-        if self.placement == "ffn" and self.partition == "affinity" and real:
-            assigned = affinity_assignment(ids, e_local, ffn)
-            # The token's lowest-numbered expert on its assigned rank carries its shared work.
-            candidates = torch.where(ids // e_local == assigned[:, None], ids, self.spec.num_routed_experts)
-            designated[torch.arange(real) * top_k + candidates.argmin(dim=1)] = True
-
+        designated = self._designated_rows(ids)
         # Wire order: by FFN rank, then local expert, designated rows first, then token.
-        span = real + 1
-        key = (flat_ids * 2 + (~designated).long()) * span + token_of_row
+        key = (flat_ids * 2 + (~designated).long()) * (real + 1) + token_of_row
         order = torch.argsort(key, stable=True)
-        per_expert = torch.bincount(flat_ids, minlength=self.spec.num_routed_experts).view(ffn, e_local)
-        prefix = torch.bincount(flat_ids[designated], minlength=self.spec.num_routed_experts).view(ffn, e_local)
-        rows_per_rank = per_expert.sum(dim=1).tolist()
+        counts = torch.zeros(2, num_experts, dtype=torch.int64, device=device)
+        counts[0].index_add_(0, flat_ids, torch.ones_like(flat_ids))
+        counts[1].index_add_(0, flat_ids, designated.long())
+        routed_counts, shared_prefix = host_row_counts(counts.view(2, ffn, self.local_experts))
+        rows_per_rank = [sum(c) for c in routed_counts]
+        shared_per_rank = [sum(p) for p in shared_prefix]
+
+        wire_tokens = token_of_row.index_select(0, order)
+        wire_weights = topk_weights[:real].float().reshape(-1).index_select(0, order)
+        wire_rows = x.index_select(0, wire_tokens)
+        # Shared rows come back in wire order of the designated rows, rank by rank.
+        designated_first = torch.argsort((~designated.index_select(0, order)).int(), stable=True)
+        shared_wire = designated_first[:sum(shared_per_rank)]
+        shared_tokens = wire_tokens.index_select(0, shared_wire).split(shared_per_rank)
         ranges = contiguous_ranges(real, ffn) if self.placement == "ffn" and self.partition == "contiguous" else None
 
-        payloads, plans, start = [], [], 0
-        for f in range(ffn):
-            rank_order = order[start:start + rows_per_rank[f]]
-            start += rows_per_rank[f]
-            tokens = token_of_row[rank_order]
-            routed_rows = x[tokens]
-            is_designated = designated[rank_order]
-            shared_tokens = tokens[is_designated]
-            extra = 0
+        payloads, plans = [], []
+        for f, (tokens, rank_weights, rows) in enumerate(zip(wire_tokens.split(rows_per_rank),
+                                                             wire_weights.split(rows_per_rank),
+                                                             wire_rows.split(rows_per_rank))):
+            rank_shared, extra = shared_tokens[f], 0
             if ranges is not None:
                 lo, hi = ranges[f]
                 extra = hi - lo
-                routed_rows = torch.cat([routed_rows, x[lo:hi]])
-                shared_tokens = torch.arange(lo, hi)
-            payloads.append(FFNPayload(rows=routed_rows, routed_counts=tuple(per_expert[f].tolist()),
-                                       shared_prefix=tuple(prefix[f].tolist()), shared_extra=extra))
-            plans.append(_RankPlan(tokens=tokens, weights=weights.reshape(-1)[rank_order], shared_tokens=shared_tokens))
+                rows = torch.cat([rows, x[lo:hi]])
+                rank_shared = torch.arange(lo, hi, device=device)
+            payloads.append(FFNPayload(rows=rows, routed_counts=tuple(routed_counts[f]),
+                                       shared_prefix=tuple(shared_prefix[f]), shared_extra=extra))
+            plans.append(_RankPlan(tokens=tokens, weights=rank_weights, shared_tokens=rank_shared))
         ticket = self.connector.dispatch(self.layer, stage, payloads)
         if self.metrics is not None:
             self.metrics.tokens_dispatched.labels(kind="routed", layer=str(self.layer)).inc(sum(p.routed_rows for p in payloads))
@@ -121,26 +149,29 @@ class RemoteMoE:
         # Under placement 'attention' the shared expert runs here while FFN ranks work.
         local_shared = shared_expert_output(x, self.shared) if self.placement == "attention" else None
         return PendingCombine(ticket=ticket, plans=plans, num_tokens=real, total_rows=total_rows,
-                              local_shared=local_shared, hidden_size=hidden)
+                              local_shared=local_shared, hidden_size=hidden, device=device)
 
     def combine(self, pending: PendingCombine) -> torch.Tensor:
         ticket, replies = self.connector.receive_replies(pending.ticket.stage)
         if ticket != pending.ticket:
             raise RuntimeError(f"combine out of order: expected {pending.ticket}, the connector answered {ticket}")
-        real, hidden = pending.num_tokens, pending.hidden_size
-        routed_sum = torch.zeros(real, hidden, dtype=torch.float32)
+        real, hidden, device = pending.num_tokens, pending.hidden_size, pending.device
+        routed_sum = torch.zeros(real, hidden, dtype=torch.float32, device=device)
         shared = pending.local_shared
         if shared is None:
-            shared = torch.zeros(real, hidden, dtype=self.dtype)
+            shared = torch.zeros(real, hidden, dtype=self.dtype, device=device)
         for plan, reply in zip(pending.plans, replies):
             routed_count = plan.tokens.shape[0]
             if routed_count:
                 routed_sum.index_add_(0, plan.tokens, reply[:routed_count].float() * plan.weights[:, None])
             if plan.shared_tokens.shape[0]:
-                shared[plan.shared_tokens] = reply[routed_count:]
-        out = torch.zeros(pending.total_rows, hidden, dtype=self.dtype)
-        out[:real] = combine(routed_sum, shared, self.spec.routed_scaling_factor, self.dtype)
-        return out
+                shared.index_copy_(0, plan.shared_tokens, reply[routed_count:].to(shared.dtype))
+        out = combine(routed_sum, shared, self.spec.routed_scaling_factor, self.dtype)
+        if pending.total_rows == real:
+            return out
+        padded = torch.zeros(pending.total_rows, hidden, dtype=self.dtype, device=device)
+        padded[:real] = out
+        return padded
 
 
 class AttentionMoELayer:

@@ -182,8 +182,8 @@ class CheckpointReader:
         with safe_open(str(file), framework="pt") as handle:
             return handle.get_tensor(name)
 
-    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        return self.read(name).to(dtype).contiguous()
+    def get(self, name: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        return self.read(name).to(device=device, dtype=dtype).contiguous()
 
     def has(self, name: str) -> bool:
         return name in self._location
@@ -192,36 +192,40 @@ class CheckpointReader:
         return sorted(name for name in self._location if name.startswith(prefix))
 
 
-def _mlp_weights(reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    gate = reader.get(f"{prefix}.gate_proj.weight", dtype)
-    up = reader.get(f"{prefix}.up_proj.weight", dtype)
-    down = reader.get(f"{prefix}.down_proj.weight", dtype)
+def _mlp_weights(reader: CheckpointReader, prefix: str, dtype: torch.dtype,
+                 device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    gate = reader.get(f"{prefix}.gate_proj.weight", dtype, device)
+    up = reader.get(f"{prefix}.up_proj.weight", dtype, device)
+    down = reader.get(f"{prefix}.down_proj.weight", dtype, device)
     return torch.cat([gate, up], dim=0), down
 
 
-def load_gate(reader: CheckpointReader, spec: MoESpec, layer: int, dtype: torch.dtype) -> GateWeights:
+def load_gate(reader: CheckpointReader, spec: MoESpec, layer: int, dtype: torch.dtype,
+              device: torch.device | str = "cpu") -> GateWeights:
     base = f"model.layers.{layer}.mlp.gate"
     bias = None
     if spec.gate_kind == GATE_SIGMOID_GROUPED:
-        bias = reader.get(f"{base}.e_score_correction_bias", dtype)
-    return GateWeights(weight=reader.get(f"{base}.weight", dtype), correction_bias=bias)
+        bias = reader.get(f"{base}.e_score_correction_bias", dtype, device)
+    return GateWeights(weight=reader.get(f"{base}.weight", dtype, device), correction_bias=bias)
 
 
-def load_shared(reader: CheckpointReader, spec: MoESpec, layer: int, dtype: torch.dtype) -> SharedExpertWeights:
+def load_shared(reader: CheckpointReader, spec: MoESpec, layer: int, dtype: torch.dtype,
+                device: torch.device | str = "cpu") -> SharedExpertWeights:
     base = f"model.layers.{layer}.mlp"
-    gate_up, down = _mlp_weights(reader, f"{base}.{spec.shared_prefix}", dtype)
-    shared_gate = reader.get(f"{base}.shared_expert_gate.weight", dtype) if spec.has_shared_gate else None
+    gate_up, down = _mlp_weights(reader, f"{base}.{spec.shared_prefix}", dtype, device)
+    shared_gate = reader.get(f"{base}.shared_expert_gate.weight", dtype, device) if spec.has_shared_gate else None
     return SharedExpertWeights(gate_up=gate_up, down=down, shared_gate=shared_gate)
 
 
 def load_routed_shard(
-    reader: CheckpointReader, spec: MoESpec, layer: int, ffn_index: int, num_ffn_ranks: int, dtype: torch.dtype
+    reader: CheckpointReader, spec: MoESpec, layer: int, ffn_index: int, num_ffn_ranks: int, dtype: torch.dtype,
+    device: torch.device | str = "cpu",
 ) -> RoutedExpertShard:
     per_rank = spec.local_experts(num_ffn_ranks)
     first = ffn_index * per_rank
     gate_ups, downs = [], []
     for expert in range(first, first + per_rank):
-        gate_up, down = _mlp_weights(reader, f"model.layers.{layer}.mlp.experts.{expert}", dtype)
+        gate_up, down = _mlp_weights(reader, f"model.layers.{layer}.mlp.experts.{expert}", dtype, device)
         gate_ups.append(gate_up)
         downs.append(down)
     return RoutedExpertShard(first_expert=first, gate_up=torch.stack(gate_ups), down=torch.stack(downs))
@@ -269,29 +273,30 @@ def require_even_split(model_dir: str | Path, spec: MoESpec, num_ffn_ranks: int)
 
 
 def load_attention_weights(
-    model_dir: str | Path, spec: MoESpec, placement: str, dtype: torch.dtype
+    model_dir: str | Path, spec: MoESpec, placement: str, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> dict[int, AttentionMoEWeights]:
     require_unquantized(model_dir, spec)
     reader = CheckpointReader(model_dir)
     return {
         layer: AttentionMoEWeights(
-            gate=load_gate(reader, spec, layer, dtype),
-            shared=load_shared(reader, spec, layer, dtype) if placement == "attention" else None,
+            gate=load_gate(reader, spec, layer, dtype, device),
+            shared=load_shared(reader, spec, layer, dtype, device) if placement == "attention" else None,
         )
         for layer in spec.moe_layers
     }
 
 
 def load_ffn_weights(
-    model_dir: str | Path, spec: MoESpec, placement: str, ffn_index: int, num_ffn_ranks: int, dtype: torch.dtype
+    model_dir: str | Path, spec: MoESpec, placement: str, ffn_index: int, num_ffn_ranks: int, dtype: torch.dtype,
+    device: torch.device | str = "cpu",
 ) -> dict[int, FFNMoEWeights]:
     require_unquantized(model_dir, spec)
     require_even_split(model_dir, spec, num_ffn_ranks)
     reader = CheckpointReader(model_dir)
     return {
         layer: FFNMoEWeights(
-            routed=load_routed_shard(reader, spec, layer, ffn_index, num_ffn_ranks, dtype),
-            shared=load_shared(reader, spec, layer, dtype) if placement == "ffn" else None,
+            routed=load_routed_shard(reader, spec, layer, ffn_index, num_ffn_ranks, dtype, device),
+            shared=load_shared(reader, spec, layer, dtype, device) if placement == "ffn" else None,
         )
         for layer in spec.moe_layers
     }

@@ -17,15 +17,12 @@ def contiguous_ranges(num_tokens: int, num_ffn_ranks: int) -> list[tuple[int, in
 def affinity_assignment(topk_ids: torch.Tensor, experts_per_rank: int, num_ffn_ranks: int) -> torch.Tensor:
     """For each token, an FFN rank that already receives it for a routed expert.
 
-    Greedy least-loaded choice among the token's candidate ranks (ties -> lower rank), in
-    token order: deterministic, zero extra rows, and perfectly balanced (ceil(N/F)) when
-    every token's candidates cover all ranks.
+    Token t takes the first of its candidate ranks at or after rank t mod F, counting
+    cyclically: a function of (ids, F) alone, so deterministic; zero extra rows; and balanced
+    (ceil(N/F) per rank) when every token's candidates cover all ranks. Tensor ops on the
+    ids' device, with no host sync.
     """
-    owners = (topk_ids // experts_per_rank).tolist()
-    load = [0] * num_ffn_ranks
-    chosen = []
-    for token_owners in owners:
-        best = min(set(token_owners), key=lambda rank: (load[rank], rank))
-        load[best] += 1
-        chosen.append(best)
-    return torch.tensor(chosen, dtype=torch.int64)
+    owners = topk_ids // experts_per_rank  # [T, k]
+    start = torch.arange(topk_ids.shape[0], device=topk_ids.device) % num_ffn_ranks
+    distance = (owners - start[:, None]) % num_ffn_ranks
+    return owners.gather(1, distance.argmin(dim=1, keepdim=True)).squeeze(1)

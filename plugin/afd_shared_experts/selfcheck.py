@@ -85,15 +85,19 @@ def token_range(rank: int, num_tokens: int, attention_ranks: int) -> tuple[int, 
     return rank * num_tokens // attention_ranks, (rank + 1) * num_tokens // attention_ranks
 
 
+def rank_connector(run: RunSpec, role: str, rank: int, spec, dtype: torch.dtype) -> P2PConnector:
+    cfg = AFDConfig(role=role, num_attention_ranks=run.attention_ranks, num_ffn_ranks=run.ffn_ranks, host=run.host,
+                    port=run.port, timeout_seconds=run.timeout_seconds)
+    return P2PConnector.from_config(cfg, role=role, rank=rank, hidden_size=spec.hidden_size,
+                                    local_experts=spec.local_experts(run.ffn_ranks), dtype=dtype)
+
+
 def run_attention_rank(run: RunSpec, rank: int, hidden_states: torch.Tensor) -> AttentionResult:
     torch.set_num_threads(1)
     spec = load_spec(run.model_dir)
     dtype = DTYPES[run.dtype]
     weights = load_attention_weights(run.model_dir, spec, run.placement, dtype)
-    connector = P2PConnector(role="attention", rank=rank, num_attention_ranks=run.attention_ranks,
-                             num_ffn_ranks=run.ffn_ranks, host=run.host, port=run.port, hidden_size=spec.hidden_size,
-                             local_experts=spec.local_experts(run.ffn_ranks), dtype=dtype,
-                             timeout_seconds=run.timeout_seconds)
+    connector = rank_connector(run, "attention", rank, spec, dtype)
     try:
         connector.init()
         layers = {
@@ -124,10 +128,7 @@ def run_ffn_rank(run: RunSpec, index: int) -> FFNResult:
     spec = load_spec(run.model_dir)
     dtype = DTYPES[run.dtype]
     weights = load_ffn_weights(run.model_dir, spec, run.placement, index, run.ffn_ranks, dtype)
-    connector = P2PConnector(role="ffn", rank=run.attention_ranks + index, num_attention_ranks=run.attention_ranks,
-                             num_ffn_ranks=run.ffn_ranks, host=run.host, port=run.port, hidden_size=spec.hidden_size,
-                             local_experts=spec.local_experts(run.ffn_ranks), dtype=dtype,
-                             timeout_seconds=run.timeout_seconds)
+    connector = rank_connector(run, "ffn", run.attention_ranks + index, spec, dtype)
     try:
         connector.init()
         runtime = FFNRuntime(connector, torch_experts(weights))

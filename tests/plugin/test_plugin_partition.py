@@ -40,9 +40,24 @@ def test_affinity_balance_bounds(case):
     # No rank carries more than the tokens that could go to it.
     for rank in range(ffn):
         assert load[rank] <= sum(rank in c for c in candidates)
-    # Greedy least-loaded: whenever a token could go anywhere, the spread stays within one.
+    # Rotating start: whenever a token could go anywhere, no rank takes more than ceil(N/F).
     if all(len(c) == ffn for c in candidates):
         assert int(load.max()) <= math.ceil(ids.shape[0] / ffn)
+
+
+@settings(max_examples=150, deadline=None)
+@given(routing())
+def test_affinity_follows_its_rule_and_is_deterministic(case):
+    """Token t takes its first candidate rank at or after t mod F (cyclically), whatever the
+    order of its ids and however often it is computed."""
+    ids, per_rank, ffn = case
+    assigned = affinity_assignment(ids, per_rank, ffn)
+    for token, row in enumerate(ids.tolist()):
+        candidates = {expert // per_rank for expert in row}
+        expected = next(r % ffn for r in range(token, token + ffn) if r % ffn in candidates)
+        assert int(assigned[token]) == expected
+    assert torch.equal(affinity_assignment(ids.flip(1), per_rank, ffn), assigned)
+    assert torch.equal(affinity_assignment(ids.clone(), per_rank, ffn), assigned)
 
 
 @given(st.integers(0, 500), st.integers(1, 16))

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Prepared accelerator check of the plugin core (benchmarks/device_check.py): the self-check
+# with CUDA tensors under sync-debug mode against a torch reference, then per-layer
+# dispatch/combine timings for DeepSeek-V3 shapes. Needs only torch with CUDA (no vLLM, no
+# install of this repo); sized to fit within 8 minutes on one H200 (not yet run on one).
+# PYTHON picks the interpreter (default python3). Arguments go to the check (--help lists
+# them); exit 1 with a message without a CUDA device.
+set -euo pipefail
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PYTHONPATH="$REPO_ROOT/plugin:$REPO_ROOT/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+exec "${PYTHON:-python3}" "$REPO_ROOT/benchmarks/device_check.py" "$@"

@@ -1,0 +1,63 @@
+"""The prepared accelerator check (scripts/device-check.sh) and the dispatch/combine
+benchmark run as commands: argument handling, the clear failure without a CUDA device, and
+the whole check on the CPU (small sizes), so neither script is first run on a lent device."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(command: list[str], *, hide_cuda: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    if hide_cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a CUDA build of torch then sees no device
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+
+
+def test_device_check_fails_clearly_without_a_cuda_device():
+    proc = run([str(REPO / "scripts/device-check.sh")])
+    assert proc.returncode == 1
+    assert "device-check failed: no CUDA device (torch.cuda.is_available() is False)" in proc.stderr
+
+
+def test_device_check_names_a_bad_argument():
+    proc = run([str(REPO / "scripts/device-check.sh"), "--device", "cpu", "--ffn-ranks", "3"])
+    assert proc.returncode == 2
+    assert "--ffn-ranks must divide 32" in proc.stderr
+    proc = run([str(REPO / "scripts/device-check.sh"), "--steps", "0"])
+    assert proc.returncode == 2
+    assert "--steps must be >= 1 (got 0)" in proc.stderr
+    proc = run([str(REPO / "scripts/device-check.sh"), "--device", "npu"])
+    assert proc.returncode == 2
+    assert "--device: invalid choice: 'npu'" in proc.stderr
+
+
+def test_device_check_passes_on_the_cpu():
+    proc = run([str(REPO / "scripts/device-check.sh"), "--device", "cpu", "--attention-ranks", "2", "--ffn-ranks",
+                "4", "--tokens", "9", "--steps", "2", "--timing-tokens", "1", "4", "--repeats", "1"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    checked = [line for line in lines if "ok, max relative error" in line]
+    assert len(checked) == 3 * 3  # placements/partitions x dtypes
+    assert all("1 row-count sync per layer step" in line for line in checked)
+    assert lines[-1] == "device-check ok"
+    timing_rows = lines[lines.index(next(l for l in lines if l.startswith("    T"))) + 1:-1]
+    assert [row.split()[0] for row in timing_rows] == ["1", "4"]
+
+
+def test_overhead_benchmark_runs_before_and_after_side_by_side():
+    """With this checkout as its own baseline: one row per (T, partition), host reads 1 each."""
+    package = REPO / "plugin" / "afd_shared_experts"
+    proc = run([sys.executable, str(REPO / "benchmarks/remote_moe_overhead.py"), "--baseline", str(package),
+                "--tokens", "1", "3", "--repeats", "1"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines()[2:]]
+    assert [(r[0], r[1]) for r in rows] == [("1", "affinity"), ("1", "contiguous"), ("3", "affinity"),
+                                           ("3", "contiguous")]
+    assert all(r[-2:] == ["1", "1"] for r in rows)
+    proc = run([sys.executable, str(REPO / "benchmarks/remote_moe_overhead.py"), "--baseline", str(REPO)])
+    assert proc.returncode == 2
+    assert "--baseline:" in proc.stderr and "holds no attention.py" in proc.stderr
