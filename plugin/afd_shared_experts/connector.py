@@ -498,14 +498,14 @@ class P2PConnector(AFDConnector):
 
     def _send_shutdown(self) -> None:
         handles = []
-        for f in range(self.num_ffn_ranks):
-            header = encode_work_header(KIND_SHUTDOWN, -1, self._seq, -1, self.rank, self.dtype, self.hidden_size,
-                                        None, self.local_experts)
-            handles.append(self._isend("work-control", header, self.num_attention_ranks + f, TAG_HEADER))
         try:
+            for f in range(self.num_ffn_ranks):
+                header = encode_work_header(KIND_SHUTDOWN, -1, self._seq, -1, self.rank, self.dtype, self.hidden_size,
+                                            None, self.local_experts)
+                handles.append(self._isend("work-control", header, self.num_attention_ranks + f, TAG_HEADER))
             self._wait(handles, "shutdown notice", peers=[], deadline=time.monotonic() + min(5.0, self.timeout_seconds))
         except AFDError:
-            pass  # peers already gone: nothing left to notify
+            pass  # peers already gone (a send may fail at once): nothing left to notify
 
     def _require_open(self, side: str) -> None:
         if self._closed.is_set():

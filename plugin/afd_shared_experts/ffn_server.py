@@ -1,21 +1,24 @@
 """FFN role server: ``python3 -m afd_shared_experts.ffn_server``.
 
 Started with the same ``--model`` and ``--additional-config`` as the Attention engines plus
-its FFN rank range. For each local FFN rank it loads only that rank's routed-expert shard
-(and, under placement 'ffn', the shared experts), joins the AFD world and serves work items
-with the core runtime. Expert math: vLLM's MoE layer, kernels and (quantized) weight loaders
-(``--expert-backend vllm``, ``vllm.ffn``) or plain torch (``torch``, unquantized only); no
-vLLM engine or scheduler is needed either way.
+its FFN rank range. The process started with ``--ffn-local-ranks N`` supervises N rank
+processes, one per device (ffn_supervisor.py: probes, signals, exit status of the pod). Each
+rank process loads only its routed-expert shard (and, under placement 'ffn', the shared
+experts), joins the AFD world and serves work items with the core runtime. Expert math:
+vLLM's MoE layer, kernels and (quantized) weight loaders (``--expert-backend vllm``,
+``vllm.ffn``) or plain torch (``torch``, unquantized only); no vLLM engine or scheduler is
+needed either way.
 
-Probes: /health (200 while the process runs), /ready (200 only once every local rank has
-loaded its weights and initialized its connector), /metrics (Prometheus).
-SIGTERM/SIGINT: finish the work item in flight, close the connectors, exit 0.
-Exit 1 when a runtime fails (e.g. an Attention rank is lost), 2 on bad arguments.
+Probes (served by the supervisor): /health (200 while it runs), /ready (200 only once every
+rank has loaded its weights and initialized its connector), /metrics (Prometheus, all ranks).
+SIGTERM/SIGINT: every rank finishes the work item in flight, closes its connector; exit 0.
+Exit 1 when a rank fails (e.g. an Attention rank is lost), 2 on bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
@@ -23,6 +26,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -30,7 +34,8 @@ from .config import AFDConfig, AFDConfigError, parse_afd_config
 from .connector import P2PConnector
 from .errors import AFDError, ConnectorClosedError
 from .ffn_runtime import FFNRuntime, LayerExperts, torch_experts
-from .metrics import ProbeServer, RuntimeMetrics
+from .ffn_supervisor import READY_LINE, STARTED_LINE, supervise
+from .metrics import RuntimeMetrics
 from .model import DTYPES, CheckpointError, load_ffn_weights, load_spec
 from .roles import ffn_world_ranks
 
@@ -40,6 +45,7 @@ logger = logging.getLogger("afd_shared_experts.ffn_server")
 RENDEZVOUS_RETRY_SECONDS = 2.0
 STOP_TIMEOUT_SECONDS = 30.0
 EXPERT_BACKENDS = ("auto", "vllm", "torch")
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,8 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "auto: vllm when vLLM can be imported, else torch")
     p.add_argument("--additional-config", required=True, help="JSON holding the 'afd' block (role 'ffn')")
     p.add_argument("--device", default="auto",
-                   help="cpu, cuda or npu; 'auto': npu when VLLM_PLUGINS names 'ascend', else cuda if available, else cpu")
+                   help="cpu, cuda or npu (rank i of the server on device i); 'auto': npu when VLLM_PLUGINS names "
+                        "'ascend', else cuda if available, else cpu")
     p.add_argument("--bind-host", default="0.0.0.0", help="address the probe server listens on")
+    # Set by the supervisor on each rank process it starts (one FFN rank, no probe server).
+    p.add_argument("--rank-status-fd", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -83,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, AFDCo
     ranks = ffn_world_ranks(cfg, rank_start=args.ffn_rank_start, local_ranks=args.ffn_local_ranks)
     if args.max_num_batched_tokens < 1:
         raise ArgumentError(f"--max-num-batched-tokens: must be >= 1 (got {args.max_num_batched_tokens})")
+    if ":" in args.device and args.ffn_local_ranks > 1:
+        raise ArgumentError(f"--device: {args.device!r} names one device, but the server holds "
+                            f"{args.ffn_local_ranks} ranks; give the platform (cpu, cuda, npu) and rank i uses device i")
     for flag, port in (("--health-port", args.health_port), ("--metrics-port", args.metrics_port)):
         if port is not None and not 0 <= port <= 65535:
             raise ArgumentError(f"{flag}: must be in [0, 65535] (got {port})")
@@ -146,47 +158,36 @@ def resolve_device_name(name: str) -> str:
 
 
 class FFNServer:
-    def __init__(self, args: argparse.Namespace, cfg: AFDConfig, world_ranks: list[int], expert_backend: str):
-        self.args, self.cfg, self.world_ranks, self.expert_backend = args, cfg, world_ranks, expert_backend
+    """One FFN rank (a rank process of the pod's supervisor, ffn_supervisor.py)."""
+
+    def __init__(self, args: argparse.Namespace, cfg: AFDConfig, world_rank: int, expert_backend: str,
+                 report_ready: Callable[[], object]):
+        self.args, self.cfg, self.world_rank, self.expert_backend = args, cfg, world_rank, expert_backend
+        self.report_ready = report_ready
+        # Under the supervisor's PROMETHEUS_MULTIPROC_DIR these values go to files it sums.
         self.metrics = RuntimeMetrics("ffn")
-        self.runtimes: list[FFNRuntime] = []
+        self.runtime: FFNRuntime | None = None
         self.stopping = threading.Event()
-        self.weights_loaded = False
-        self.probes: ProbeServer | None = None
-
-    def ready(self) -> bool:
-        return (self.weights_loaded and len(self.runtimes) == len(self.world_ranks)
-                and all(r.ready for r in self.runtimes) and not self.stopping.is_set())
-
-    def start_probes(self) -> None:
-        args = self.args
-        metrics_port = args.health_port if args.metrics_port is None else args.metrics_port
-        self.probes = ProbeServer(self.metrics, self.ready, args.bind_host, metrics_port, args.health_port).start()
-        logger.info("probes on :%d (/health, /ready), metrics on :%d", self.probes.health_port, self.probes.metrics_port)
 
     def load_and_connect(self) -> None:
         args, cfg = self.args, self.cfg
         spec = load_spec(args.model)
         cfg.validate_for_model(spec.num_routed_experts)
         dtype = resolve_dtype(args.dtype, args.model)
-        device_name = resolve_device_name(args.device)
-        local = [args.ffn_rank_start + i for i in range(args.ffn_local_ranks)]
-        devices = [device_name if device_name == "cpu" or args.ffn_local_ranks == 1 else f"{device_name}:{i}"
-                   for i in range(args.ffn_local_ranks)]
-        experts = {}
-        for ffn_index, device in zip(local, devices):
-            started = time.monotonic()
-            experts[ffn_index] = self._load_experts(spec, ffn_index, dtype, device)
-            logger.info("FFN rank %d: loaded %d MoE layers in %.1fs (placement %s, %s expert backend)", ffn_index,
-                        len(spec.moe_layers), time.monotonic() - started, cfg.shared_experts.placement,
-                        self.expert_backend)
-        self.weights_loaded = True
-        for ffn_index, world_rank, device in zip(local, self.world_ranks, devices):
-            connector = self._connect(world_rank, spec.hidden_size, spec.local_experts(cfg.num_ffn_ranks), dtype, device)
-            if connector is None:
-                return
-            self.runtimes.append(FFNRuntime(connector, experts[ffn_index], self.metrics).start())
-            logger.info("FFN rank %d (world rank %d) serving", ffn_index, world_rank)
+        device = resolve_device_name(args.device)
+        ffn_index = args.ffn_rank_start
+        started = time.monotonic()
+        experts = self._load_experts(spec, ffn_index, dtype, device)
+        logger.info("FFN rank %d: loaded %d MoE layers in %.1fs (placement %s, %s expert backend, device %s)",
+                    ffn_index, len(spec.moe_layers), time.monotonic() - started, cfg.shared_experts.placement,
+                    self.expert_backend, device)
+        connector = self._connect(self.world_rank, spec.hidden_size, spec.local_experts(cfg.num_ffn_ranks), dtype,
+                                  device)
+        if connector is None:
+            return
+        self.runtime = FFNRuntime(connector, experts, self.metrics).start()
+        logger.info("FFN rank %d (world rank %d) serving", ffn_index, self.world_rank)
+        self.report_ready()
 
     def _load_experts(self, spec, ffn_index: int, dtype: torch.dtype, device: str) -> dict[int, LayerExperts]:
         args, cfg = self.args, self.cfg
@@ -196,16 +197,16 @@ class FFNServer:
 
             return build_vllm_experts(args.model, spec, placement, ffn_index, cfg.num_ffn_ranks, dtype,
                                       args.quantization, args.max_model_len, args.max_num_batched_tokens, device)
-        return torch_experts(load_ffn_weights(args.model, spec, placement, ffn_index, cfg.num_ffn_ranks, dtype))
+        return torch_experts(load_ffn_weights(args.model, spec, placement, ffn_index, cfg.num_ffn_ranks, dtype,
+                                              device))
 
     def _connect(self, world_rank: int, hidden: int, local_experts: int, dtype: torch.dtype, device: str):
         """Rendezvous, retried until the Attention ranks are up or the server is stopped."""
         cfg = self.cfg
         while not self.stopping.is_set():
-            connector = P2PConnector(role="ffn", rank=world_rank, num_attention_ranks=cfg.num_attention_ranks,
-                                     num_ffn_ranks=cfg.num_ffn_ranks, host=cfg.host, port=cfg.port,
-                                     hidden_size=hidden, local_experts=local_experts, dtype=dtype, device=device,
-                                     timeout_seconds=cfg.timeout_seconds, metrics=self.metrics)
+            connector = P2PConnector.from_config(cfg, role="ffn", rank=world_rank, hidden_size=hidden,
+                                                 local_experts=local_experts, dtype=dtype, device=device,
+                                                 metrics=self.metrics)
             try:
                 connector.init()
                 return connector
@@ -216,56 +217,93 @@ class FFNServer:
         return None
 
     def wait(self) -> int:
-        """Block until stopped or until every runtime ended; the exit status."""
+        """Block until stopped or until the runtime ended; the exit status."""
         while not self.stopping.wait(0.2):
-            if self.runtimes and len(self.runtimes) == len(self.world_ranks) and \
-                    not any(r.running for r in self.runtimes):
+            if self.runtime is not None and not self.runtime.running:
                 break
         return self.shutdown()
 
     def shutdown(self) -> int:
         # stop() lets the item in flight finish and its reply go out before the connector closes.
-        status = 0
-        for runtime in self.runtimes:
-            try:
-                runtime.stop(STOP_TIMEOUT_SECONDS)
-            except ConnectorClosedError:
-                pass
-            except Exception as exc:
-                if not self.stopping.is_set():
-                    logger.error("FFN runtime failed: %s", exc)
-                    status = 1
-        if self.probes is not None:
-            self.probes.stop()
-        return status
+        if self.runtime is None:
+            return 0
+        try:
+            self.runtime.stop(STOP_TIMEOUT_SECONDS)
+        except ConnectorClosedError:
+            pass
+        except Exception as exc:
+            if not self.stopping.is_set():
+                logger.error("FFN runtime failed: %s", exc)
+                return 1
+        return 0
+
+
+def report(status, line: str) -> bool:
+    """Write one line to the supervisor's status pipe; False once the supervisor is gone."""
+    try:
+        status.write(line + "\n")
+        status.flush()
+        return True
+    except BrokenPipeError:
+        return False
+
+
+def follow_supervisor(status) -> bool:
+    """Linux: SIGTERM this rank when its supervisor dies (even by SIGKILL), so no rank is
+    orphaned; False if the supervisor is already gone (the pipe's read end closed)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the supervisor still stops its ranks on every exit path but SIGKILL
+    # After prctl: a supervisor that died before it would go unnoticed, the closed pipe shows it.
+    return report(status, STARTED_LINE)
+
+
+def serve_rank(args: argparse.Namespace, cfg: AFDConfig, world_rank: int) -> int:
+    """The rank process: load, connect, serve; 'ready' on the status pipe once serving."""
+    status = os.fdopen(args.rank_status_fd, "w")
+    if not follow_supervisor(status):
+        logger.error("FFN rank %d: the supervisor is gone", args.ffn_rank_start)
+        return 1
+    try:
+        expert_backend = check_supported(args)
+    except ArgumentError as exc:
+        print(f"ffn_server: {exc}", file=sys.stderr)
+        return 2
+    server = FFNServer(args, cfg, world_rank, expert_backend, lambda: report(status, READY_LINE))
+
+    def on_signal(signum, _frame):
+        logger.info("FFN rank %d: signal %d: draining", args.ffn_rank_start, signum)
+        server.stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        server.load_and_connect()
+    except (AFDError, AFDConfigError, CheckpointError, ArgumentError, OSError) as exc:
+        logger.error("FFN rank %d: %s", args.ffn_rank_start, exc)
+        server.stopping.set()
+        server.shutdown()
+        return 1
+    return server.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         args, cfg, ranks = parse_args(argv)
-        expert_backend = check_supported(args)
+        if args.rank_status_fd is None:
+            # Refused before any rank starts; the ranks get the resolved backend.
+            args.expert_backend = check_supported(args)
+            logger.info("expert backend: %s", args.expert_backend)
+            device_name = resolve_device_name(args.device)
     except (AFDConfigError, ArgumentError, ValueError) as exc:
         print(f"ffn_server: {exc}", file=sys.stderr)
         return 2
-    logger.info("expert backend: %s (--expert-backend %s)", expert_backend, args.expert_backend)
-    server = FFNServer(args, cfg, ranks, expert_backend)
-
-    def on_signal(signum, _frame):
-        logger.info("signal %d: draining", signum)
-        server.stopping.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    server.start_probes()
-    try:
-        server.load_and_connect()
-    except (AFDError, AFDConfigError, CheckpointError, ArgumentError, OSError) as exc:
-        logger.error("%s", exc)
-        server.stopping.set()
-        server.shutdown()
-        return 1
-    return server.wait()
+    if args.rank_status_fd is not None:
+        return serve_rank(args, cfg, ranks[0])
+    return supervise(args, device_name)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from afd_devcluster import free_port
-from afd_shared_experts import device, ffn_server
+from afd_shared_experts import device, ffn_server, ffn_supervisor
 from afd_shared_experts.errors import DeviceUnavailableError
 
 
@@ -30,6 +30,7 @@ FFN_BLOCK = {"afd": {"role": "ffn", "num_attention_ranks": 1, "num_ffn_ranks": 2
     ({"--additional-config": json.dumps({"afd": {**FFN_BLOCK["afd"], "role": "attention"}})}, "afd.role"),
     ({"--ffn-rank-start": "2"}, "afd.num_ffn_ranks: must cover"),
     ({"--health-port": "70000"}, "--health-port: must be in [0, 65535]"),
+    ({"--ffn-local-ranks": "2", "--device": "npu:1"}, "--device: 'npu:1' names one device"),
 ])
 def test_bad_arguments_name_the_field(overrides, message):
     with pytest.raises(ValueError) as err:
@@ -41,6 +42,33 @@ def test_quantized_checkpoints_are_refused_with_the_flag_named():
     args, _, _ = ffn_server.parse_args(argv(FFN_BLOCK, **{"--quantization": "ascend"}))
     with pytest.raises(ffn_server.ArgumentError, match="--quantization: 'ascend' is not supported"):
         ffn_server.check_supported(args)
+
+
+def test_rank_processes_get_the_pods_flags_with_their_own_rank_and_device():
+    args, _, _ = ffn_server.parse_args(argv(FFN_BLOCK, **{"--ffn-local-ranks": "2", "--max-model-len": "512",
+                                                          "--expert-backend": "torch", "--device": "npu"}))
+    command = ffn_supervisor.rank_argv(args, 1, ffn_supervisor.rank_device("npu", 1), 7)
+    assert command[1:3] == ["-m", "afd_shared_experts.ffn_server"]
+    rank_args, _, world_ranks = ffn_server.parse_args(command[3:])
+    assert (rank_args.ffn_rank_start, rank_args.ffn_local_ranks, rank_args.device, rank_args.rank_status_fd) == \
+        (1, 1, "npu:1", 7)
+    assert world_ranks == [2]  # after the one Attention rank
+    for name in ("model", "max_model_len", "max_num_batched_tokens", "dtype", "expert_backend", "additional_config",
+                 "quantization"):
+        assert getattr(rank_args, name) == getattr(args, name), name
+    assert ffn_supervisor.rank_device("cpu", 1) == "cpu"
+    assert ffn_supervisor.rank_device("cuda:3", 0) == "cuda:3"  # a single-rank pod's explicit device
+
+
+def test_bad_arguments_are_refused_before_any_rank_starts():
+    block = {"afd": {**FFN_BLOCK["afd"], "port": free_port()}}
+    result = subprocess.run([sys.executable, "-m", "afd_shared_experts.ffn_server",
+                             *argv(block, **{"--ffn-local-ranks": "2", "--quantization": "ascend",
+                                             "--expert-backend": "torch", "--health-port": str(free_port())})],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "ffn_server: --quantization: 'ascend' is not supported" in result.stderr
+    assert "FFN rank 0: process" not in result.stderr
 
 
 def test_npu_without_torch_npu_package(monkeypatch):
@@ -58,31 +86,30 @@ def test_npu_with_torch_npu_but_no_cann(monkeypatch, tmp_path):
         device.resolve_device("npu")
 
 
-def test_server_is_healthy_not_ready_until_connected_and_exits_0_on_sigterm(checkpoints):
-    """Weights load, but no Attention rank ever comes: /health 200, /ready 503; SIGTERM -> 0."""
+def test_server_is_healthy_not_ready_until_connected_and_exits_0_on_sigterm(checkpoints, tmp_path):
+    """Weights load, but no Attention rank ever comes: /health 200, /ready 503 while the rank
+    retries the rendezvous; SIGTERM to the supervisor drains the rank -> 0."""
     block = {"afd": {**FFN_BLOCK["afd"], "port": free_port()}}
     health_port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "afd_shared_experts.ffn_server",
-                             *argv(block, **{"--model": str(checkpoints["deepseek_v2"]),
-                                             "--health-port": str(health_port)})],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "ffn.log"
+    with open(log, "wb") as handle:
+        proc = subprocess.Popen([sys.executable, "-m", "afd_shared_experts.ffn_server",
+                                 *argv(block, **{"--model": str(checkpoints["deepseek_v2"]),
+                                                 "--health-port": str(health_port)})],
+                                stdout=handle, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{health_port}/health", timeout=2) as r:
-                    assert r.status == 200
-                    break
-            except OSError:
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.2)
-        time.sleep(2)
+        deadline = time.monotonic() + 120
+        while "rendezvous not complete yet" not in log.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{health_port}/health", timeout=2) as r:
+            assert r.status == 200
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(f"http://127.0.0.1:{health_port}/ready", timeout=2)
         assert err.value.code == 503
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-        assert "rendezvous not complete yet" in proc.stdout.read()
+        assert "FFN rank 0: signal 15: draining" in log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -54,7 +54,7 @@ def vllm_console_script() -> str:
 
 
 def install_testbed_plugin() -> None:
-    """The test-only SiLU workaround plugin, into the vLLM venv (idempotent, no network)."""
+    """The test-only platform-plugin stand-in, into the vLLM venv (idempotent, no network)."""
     subprocess.run([vllm_python(), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e",
                     str(TESTBED_PLUGIN)], check=True, cwd=REPO_ROOT)
 
@@ -63,17 +63,18 @@ def base_env(**extra: str) -> dict[str, str]:
     # In-process engine core: LLM.generate queues every prompt before the first step, so the
     # batches (and CPU kernels' blocking) are the same in every run and greedy ids compare exactly.
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    env.update(VLLM_PLUGINS="afd_shared_experts,afd_testbed_cpu_silu,afd_testbed_platform_moe", VLLM_MLA_DISABLE="1",
+    env.update(VLLM_PLUGINS="afd_shared_experts,afd_testbed_platform_moe", VLLM_MLA_DISABLE="1",
                VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
                VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env.update(extra)
     return env
 
 
-def write_vllm_checkpoint(directory: Path, model_type: str, seed: int = 0) -> Path:
+def write_vllm_checkpoint(directory: Path, model_type: str, seed: int = 0, **shape) -> Path:
     """A complete tiny DeepSeek-V2/V3 or Qwen2-MoE checkpoint vLLM can serve: the MoE tensors
-    of plugin_harness.write_checkpoint plus attention, norms, dense MLP, embeddings, tokenizer."""
-    overrides = dict(QWEN2_MOE_SHAPE if model_type == "qwen2_moe" else DEEPSEEK_SHAPE)
+    of plugin_harness.write_checkpoint plus attention, norms, dense MLP, embeddings, tokenizer.
+    `shape` overrides the common shape (e.g. experts=48)."""
+    overrides = dict(QWEN2_MOE_SHAPE if model_type == "qwen2_moe" else DEEPSEEK_SHAPE, **shape)
     hidden, inter, experts, top_k, layers = (overrides.pop(k) for k in ("hidden", "inter", "experts", "top_k", "layers"))
     write_checkpoint(directory, model_type, seed=seed, hidden=hidden, inter=inter, experts=experts, top_k=top_k,
                      layers=layers, **overrides)
@@ -187,11 +188,11 @@ SERVE_ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len",
 
 
 def start_vllm_serve(model: Path, api_port: int, logdir: Path, name: str, *, block: dict | None = None,
-                     data_parallel: int = 1) -> Proc:
-    """`vllm serve` (the real console script) on 127.0.0.1:api_port, data-parallel flags and the
+                     data_parallel: int = 1, tensor_parallel: int = 1) -> Proc:
+    """`vllm serve` (the real console script) on 127.0.0.1:api_port, parallel flags and the
     head's metrics directory as the operator renders them; `block` is the afd config (None: plain vLLM)."""
     argv = [vllm_console_script(), "serve", str(model), "--host", "127.0.0.1", "--port", str(api_port),
-            *SERVE_ENGINE_ARGS, "--data-parallel-size", str(data_parallel),
+            *SERVE_ENGINE_ARGS, "--tensor-parallel-size", str(tensor_parallel), "--data-parallel-size", str(data_parallel),
             "--data-parallel-size-local", str(data_parallel), "--data-parallel-address", "127.0.0.1",
             "--data-parallel-rpc-port", str(free_port())]
     if block is not None:
@@ -202,18 +203,23 @@ def start_vllm_serve(model: Path, api_port: int, logdir: Path, name: str, *, blo
 
 
 def start_ffn_servers(model: Path, block: dict, logdir: Path, count: int = 2, tag: str = "ffn",
-                      extra_args: tuple[str, ...] = ()) -> list[tuple[Proc, int]]:
-    """`count` FFN server processes with one FFN rank each, command lines as the operator renders
-    them (plus `extra_args`)."""
+                      extra_args: tuple[str, ...] = (), split: tuple[int, ...] | None = None,
+                      python: str | None = None) -> list[tuple[Proc, int]]:
+    """FFN servers (pods) with consecutive FFN ranks, command lines as the operator renders them
+    (plus `extra_args`): `split` gives each server's rank count (default `count` servers of one
+    rank); `python` the interpreter (default the vLLM venv's)."""
     servers = []
     ffn_block = {"afd": {**block["afd"], "role": "ffn"}}
-    for index in range(count):
+    rank_start = 0
+    for index, local_ranks in enumerate(split or (1,) * count):
         health = free_port()
-        argv = [vllm_python(), "-m", "afd_shared_experts.ffn_server", "--model", str(model),
-                "--ffn-rank-start", str(index), "--ffn-local-ranks", "1", "--health-port", str(health),
+        argv = [python or vllm_python(), "-m", "afd_shared_experts.ffn_server", "--model", str(model),
+                "--ffn-rank-start", str(rank_start), "--ffn-local-ranks", str(local_ranks),
+                "--health-port", str(health),
                 "--max-num-batched-tokens", "512", "--dtype", "float32", "--max-model-len", "512",
                 "--additional-config", json.dumps(ffn_block), "--bind-host", "127.0.0.1", *extra_args]
         servers.append((Proc(argv, logdir / f"{tag}-{index}.log", base_env()), health))
+        rank_start += local_ranks
     return servers
 
 
@@ -253,3 +259,20 @@ def run_driver(request: dict, logdir: Path, name: str, timeout: float = 400) -> 
     return json.loads(out_path.read_text())
 
 
+
+
+def post_json(port: int, path: str, body: dict, timeout: float = 120) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def greedy_completions(port: int) -> list[tuple[str, list[int]]]:
+    """(text, token ids) of a greedy completion of each of PROMPTS, sent one at a time."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as response:
+        name = json.loads(response.read())["data"][0]["id"]
+    choices = [post_json(port, "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                                    "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+                         )["choices"][0] for prompt in PROMPTS]
+    return [(choice["text"], choice["token_ids"]) for choice in choices]
