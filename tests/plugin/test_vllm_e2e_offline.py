@@ -38,20 +38,26 @@ def afd_run(model, request: dict, block: dict, root, tag: str) -> dict:
     return result
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def plain_reference(tmp_path_factory, model_type: str, seed: int):
+    """(folder, tiny checkpoint of model_type, the generation request, plain vLLM's eager run of it)."""
+    root = tmp_path_factory.mktemp(model_type)
+    model = write_vllm_checkpoint(root / "model", model_type, seed=seed)
+    request = {"model": str(model), "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
+    return root, model, request, run_driver(request, root, "plain")
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def runs(request, tmp_path_factory):
+    """One model's runs by name ("plain", "ffn", "attention") and its checkpoint ("model"); one
+    model at a time, so each setup stays within the per-test timeout."""
     install_testbed_plugin()
-    results = {}
-    for seed, model_type in enumerate(MODELS):
-        root = tmp_path_factory.mktemp(model_type)
-        model = write_vllm_checkpoint(root / "model", model_type, seed=seed)
-        request = {"model": str(model), "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
-        results[model_type, "plain"] = run_driver(request, root, "plain")
-        for placement in ("ffn", "attention"):
-            block = afd_block("attention", port=free_port(), placement=placement)
-            # The load format the operator renders for Attention engines.
-            results[model_type, placement] = afd_run(model, {**request, "load_format": "afd"}, block, root, placement)
-        results[model_type, "model"] = model
+    model_type = request.param
+    root, model, generation, plain = plain_reference(tmp_path_factory, model_type, MODELS.index(model_type))
+    results = {"plain": plain, "model": model}
+    for placement in ("ffn", "attention"):
+        block = afd_block("attention", port=free_port(), placement=placement)
+        # The load format the operator renders for Attention engines.
+        results[placement] = afd_run(model, {**generation, "load_format": "afd"}, block, root, placement)
     return results
 
 
@@ -87,41 +93,37 @@ def shared_expert_bytes(model_dir) -> int:
     return total
 
 
-@pytest.mark.parametrize("model_type", MODELS)
 @pytest.mark.parametrize("placement", ["ffn", "attention"])
-def test_afd_greedy_ids_equal_plain_vllm(runs, model_type, placement):
-    plain = runs[model_type, "plain"]["token_ids"]
+def test_afd_greedy_ids_equal_plain_vllm(runs, placement):
+    plain = runs["plain"]["token_ids"]
     assert all(len(ids) == MAX_TOKENS for ids in plain)
-    assert runs[model_type, placement]["token_ids"] == plain
+    assert runs[placement]["token_ids"] == plain
 
 
-@pytest.mark.parametrize("model_type", MODELS)
-def test_both_ffn_servers_served_work(runs, model_type):
+def test_both_ffn_servers_served_work(runs):
     for placement in ("ffn", "attention"):
-        for log in runs[model_type, placement]["ffn_logs"]:
+        for log in runs[placement]["ffn_logs"]:
             assert "serving" in log, log[-2000:]
 
 
-@pytest.mark.parametrize("model_type", MODELS)
-def test_attention_bytes_shrink_by_exactly_the_shared_experts(runs, model_type):
-    (ffn,) = runs[model_type, "ffn"]["parameter_bytes"]
-    (attention,) = runs[model_type, "attention"]["parameter_bytes"]
-    (plain,) = runs[model_type, "plain"]["parameter_bytes"]
-    shared = shared_expert_bytes(runs[model_type, "model"])
+def test_attention_bytes_shrink_by_exactly_the_shared_experts(runs):
+    (ffn,) = runs["ffn"]["parameter_bytes"]
+    (attention,) = runs["attention"]["parameter_bytes"]
+    (plain,) = runs["plain"]["parameter_bytes"]
+    shared = shared_expert_bytes(runs["model"])
     assert shared > 0 and attention - ffn == shared
     # No routed expert weight on the Attention side under either placement.
     assert plain > attention
 
 
-@pytest.mark.parametrize("model_type", MODELS)
-def test_remote_experts_are_built_only_for_afd_and_the_platform_layer_is_restored(runs, model_type):
+def test_remote_experts_are_built_only_for_afd_and_the_platform_layer_is_restored(runs):
     # Plain vLLM builds the platform's registered FusedMoE; an AFD model builds remote experts in
     # every MoE layer, and the platform's registration is in force again once it is built.
-    assert runs[model_type, "plain"]["experts_classes"] == [["PlatformFusedMoE"]]
+    assert runs["plain"]["experts_classes"] == [["PlatformFusedMoE"]]
     for placement in ("ffn", "attention"):
-        assert runs[model_type, placement]["experts_classes"] == [["AFDFusedMoE"]]
+        assert runs[placement]["experts_classes"] == [["AFDFusedMoE"]]
     for run in ("plain", "ffn", "attention"):
-        assert runs[model_type, run]["fused_moe_registered"] == ["PlatformFusedMoE"]
+        assert runs[run]["fused_moe_registered"] == ["PlatformFusedMoE"]
 
 
 def test_attention_tensor_parallel_2_with_placement_ffn_equals_plain_vllm(tensor_parallel_2):
@@ -132,15 +134,14 @@ def test_attention_tensor_parallel_2_with_placement_ffn_equals_plain_vllm(tensor
     assert all("serving" in log for log in afd["ffn_logs"]), afd["ffn_logs"]
 
 
-@pytest.mark.parametrize("model_type", MODELS)
-def test_load_format_afd_reads_no_routed_expert_from_disk(runs, model_type):
+def test_load_format_afd_reads_no_routed_expert_from_disk(runs):
     # vLLM's loader skipped every routed-expert weight before reading it; under placement 'ffn'
     # only the (small) shared-expert tensors were read and dropped by the wrapper.
-    spec = load_spec(runs[model_type, "model"])
+    spec = load_spec(runs["model"])
     shared_modules = (spec.shared_prefix, "shared_expert_gate") if spec.has_shared_gate else (spec.shared_prefix,)
-    shared = sum(len(expert_tensor_names(runs[model_type, "model"], m)) for m in shared_modules)
-    assert runs[model_type, "attention"]["remote_tensors_read"] == [0]
-    assert runs[model_type, "ffn"]["remote_tensors_read"] == [shared] and shared > 0
+    shared = sum(len(expert_tensor_names(runs["model"], m)) for m in shared_modules)
+    assert runs["attention"]["remote_tensors_read"] == [0]
+    assert runs["ffn"]["remote_tensors_read"] == [shared] and shared > 0
 
 
 def test_default_load_format_still_drops_remote_tensors(tensor_parallel_2):

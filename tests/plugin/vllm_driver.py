@@ -2,8 +2,11 @@
 
 python vllm_driver.py REQUEST.json RESULT.json
 REQUEST: {"model", "prompts" (token ids), "max_tokens", "additional_config" (optional),
-          "tensor_parallel_size" (optional, default 1), "load_format" (optional, default "auto")}
-RESULT: {"token_ids": [[...] per prompt], "generate_seconds", "parameter_bytes": [per worker],
+          "tensor_parallel_size" (optional, default 1), "load_format" (optional, default "auto"),
+          "enforce_eager" (optional, default true; false: vLLM's default compilation settings),
+          "config_only" (optional: build the engine config only, no engine, no generation)}
+RESULT: {"graph_mode": {"enforce_eager", "compilation_mode", "cudagraph_mode"} of the engine config,
+         "token_ids": [[...] per prompt], "generate_seconds", "parameter_bytes": [per worker],
          "experts_classes": [per worker: class names of the MoE layers' experts],
          "fused_moe_registered": [per worker: the out-of-tree FusedMoE class in force after the build],
          "remote_tensors_read": [per worker: remote-expert tensors read from disk, AFD runs only]}
@@ -26,28 +29,43 @@ def fused_moe_registered(model) -> str | None:
     return None if registered is None else registered.__name__
 
 
+def graph_mode(vllm_config) -> dict:
+    compilation = vllm_config.compilation_config
+    return {"enforce_eager": vllm_config.model_config.enforce_eager, "compilation_mode": compilation.mode.name,
+            "cudagraph_mode": compilation.cudagraph_mode.name}
+
+
 def main() -> None:
     from vllm import LLM, SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
     from vllm.inputs import TokensPrompt
 
     from afd_shared_experts.vllm.models import model_parameter_bytes, model_remote_tensors_read
 
     request = json.loads(open(sys.argv[1]).read())
     kwargs = {"additional_config": request["additional_config"]} if request.get("additional_config") else {}
-    llm = LLM(model=request["model"], dtype="float32", enforce_eager=True, max_model_len=512,
-              max_num_batched_tokens=512, max_num_seqs=8, seed=0,
-              tensor_parallel_size=request.get("tensor_parallel_size", 1),
-              load_format=request.get("load_format", "auto"), **kwargs)
+    if request.get("enforce_eager", True):
+        kwargs["enforce_eager"] = True
+    engine_args = dict(model=request["model"], dtype="float32", max_model_len=512, max_num_batched_tokens=512,
+                       max_num_seqs=8, seed=0, tensor_parallel_size=request.get("tensor_parallel_size", 1),
+                       load_format=request.get("load_format", "auto"), **kwargs)
+    if request.get("config_only"):
+        result = {"graph_mode": graph_mode(EngineArgs(**engine_args).create_engine_config())}
+        with open(sys.argv[2], "w") as handle:
+            json.dump(result, handle)
+        return
+    llm = LLM(**engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    result = {"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+    result = {"graph_mode": graph_mode(llm.llm_engine.vllm_config),
+              "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
               "generate_seconds": time.perf_counter() - started,
               "parameter_bytes": llm.apply_model(model_parameter_bytes),
               "experts_classes": llm.apply_model(experts_classes),
               "fused_moe_registered": llm.apply_model(fused_moe_registered)}
-    if kwargs:
+    if "additional_config" in kwargs:
         result["remote_tensors_read"] = llm.apply_model(model_remote_tensors_read)
     with open(sys.argv[2], "w") as handle:
         json.dump(result, handle)

@@ -1,4 +1,5 @@
-"""What the vLLM glue needs of vLLM: the pinned version, and the ``afd`` block of a VllmConfig.
+"""What the vLLM glue needs of vLLM: the pinned version, the ``afd`` block of a VllmConfig, and
+the graph-mode decision for AFD engines.
 
 Imports nothing from vLLM at module level, so the FFN server can check the version before it
 pays for a vLLM import, and every glue module can read the afd block without importing the
@@ -7,11 +8,20 @@ plugin entry point.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..config import AFDConfig, parse_afd_config
 
 SUPPORTED_VLLM_VERSION = "0.23.0"
+
+logger = logging.getLogger(__name__)
+
+EAGER_REASON = (
+    "the remote MoE of every layer does host-side work (row counts, routing tables) and point-to-point "
+    "calls to the FFN servers inside the model forward: a captured CUDA/ACL graph would skip them at "
+    "replay and torch.compile cannot trace them, so an AFD Attention engine runs eager "
+    "(as with --enforce-eager: no torch.compile, no graph capture)")
 
 
 class VLLMVersionError(RuntimeError):
@@ -49,3 +59,46 @@ def afd_config_of(vllm_config: Any) -> AFDConfig | None:
         return None
     require_supported_vllm()
     return parse_afd_config(additional)
+
+
+class EagerForAFD:
+    """The ``MODELS_CONFIG_MAP`` entry of one AFD-capable architecture: vLLM 0.23.0 calls
+    ``verify_and_update_config`` first thing in ``VllmConfig.__post_init__``, before it derives
+    the compilation mode and CUDA-graph mode from ``enforce_eager`` and before the platform's
+    ``check_and_update_config`` (vllm-ascend's sets up ACL graphs there). Setting
+    ``enforce_eager`` then is exactly ``--enforce-eager`` for every process of the engine (the
+    config is built once and shipped to the engine core and workers). The entry in force before
+    (none for these architectures in 0.23.0) still runs first."""
+
+    def __init__(self, upstream: Any = None):
+        self.upstream = upstream
+
+    def verify_and_update_config(self, vllm_config: Any) -> None:
+        if self.upstream is not None:
+            self.upstream.verify_and_update_config(vllm_config)
+        force_eager_for_afd(vllm_config)
+
+    def verify_and_update_model_config(self, model_config: Any) -> None:
+        if self.upstream is not None:
+            self.upstream.verify_and_update_model_config(model_config)
+
+
+def force_eager_for_afd(vllm_config: Any) -> None:
+    """An engine with an afd block runs eager, whatever compilation settings it was given."""
+    if afd_config_of(vllm_config) is None:
+        return
+    model_config = vllm_config.model_config
+    if model_config.enforce_eager:
+        return
+    model_config.enforce_eager = True
+    logger.warning("afd: enforce_eager set, whatever compilation settings were given: %s", EAGER_REASON)
+
+
+def install_eager_for_afd(architectures) -> None:
+    """Idempotent: every AFD-capable architecture's config entry forces eager under an afd block."""
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    for arch in architectures:
+        current = MODELS_CONFIG_MAP.get(arch)
+        if not isinstance(current, EagerForAFD):
+            MODELS_CONFIG_MAP[arch] = EagerForAFD(current)

