@@ -32,7 +32,7 @@ OPERATOR_USER = "afd-operator"
 READY_TIMEOUT_SECONDS = 90
 WRITE_VERBS = frozenset({"create", "update", "patch", "delete", "deletecollection"})
 # devcluster/ -> afd_operator/ -> operator/ -> the repository root, when run from a checkout.
-_BUILD_SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "build-kube-apiserver.sh"
+_BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "build-kube-apiserver.sh"
 # Metadata (who, verb, object; no bodies) for every request except what would only bloat the
 # log: the server's own loopback requests (bootstrap roles, priority levels), health probes,
 # and reads of events and leases.
