@@ -112,5 +112,5 @@ def test_validate_reports_what_the_plugin_refuses(tmp_path: Path, examples: list
     assert (code, out) == (1, "")
     assert err.splitlines() == [
         f"{bad}: spec.connector.extraConfig.foo: the plugin refuses it: afd.connector_extra_config.foo: "
-        "unknown key; allowed: attn_ranks_per_dp, dynamicQuant (got 'bar')"]
+        "unknown key; allowed: attn_ranks_per_dp, dynamicQuant, data_plane (got 'bar')"]
     assert run("render", "-f", str(bad))[0] == 1  # nothing is rendered for it either

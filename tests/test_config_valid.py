@@ -30,8 +30,8 @@ SPEC: dict[str, Any] = {
     "connector": {"extraConfig": {"dynamicQuant": 0, "ringBuffers": 4}},
 }
 PLUGIN_MESSAGE = ("spec.connector.extraConfig.ringBuffers: the plugin refuses it: "
-                  "afd.connector_extra_config.ringBuffers: unknown key; allowed: attn_ranks_per_dp, dynamicQuant "
-                  "(got 4)")
+                  "afd.connector_extra_config.ringBuffers: unknown key; allowed: attn_ranks_per_dp, dynamicQuant, "
+                  "data_plane (got 4)")
 
 
 @pytest.fixture()

@@ -163,7 +163,7 @@ def test_cpu_platform_ignores_host_ports() -> None:
 # (change path, value, expected problem path, the plugin's field path, its rule).
 PLUGIN_REFUSALS = [
     ("spec.connector.extraConfig", {"foo": 1}, "spec.connector.extraConfig.foo",
-     "afd.connector_extra_config.foo", "unknown key; allowed: attn_ranks_per_dp, dynamicQuant"),
+     "afd.connector_extra_config.foo", "unknown key; allowed: attn_ranks_per_dp, dynamicQuant, data_plane"),
     ("spec.connector.name", "camconnector", "spec.connector.name", "afd.connector", "unknown connector"),
     ("spec.connector.extraConfig", {"dynamicQuant": "yes"}, "spec.connector.extraConfig.dynamicQuant",
      "afd.connector_extra_config.dynamicQuant", "must be an integer"),

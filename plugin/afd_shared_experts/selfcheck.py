@@ -19,7 +19,6 @@ import os
 import queue
 import socket
 import sys
-import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -177,8 +176,8 @@ def _child_main(role: str, index: int, run: RunSpec, hidden_states, results) -> 
         results.put(("error", role, index, traceback.format_exc()))
 
 
-def run_topology(run: RunSpec, hidden_states: torch.Tensor, *, launcher: str = "process") -> RunResult:
-    """Run A Attention + F FFN ranks (processes, or threads of this process for tests)."""
+def run_topology(run: RunSpec, hidden_states: torch.Tensor) -> RunResult:
+    """Run A Attention + F FFN ranks, one process each."""
     spec = validate_run(run, hidden_states)
     if run.port == 0:
         run.port = free_port(run.host)
@@ -186,15 +185,10 @@ def run_topology(run: RunSpec, hidden_states: torch.Tensor, *, launcher: str = "
     jobs = [("attention", a, hidden_states[slice(*token_range(a, num_tokens, run.attention_ranks))].clone())
             for a in range(run.attention_ranks)]
     jobs += [("ffn", f, None) for f in range(run.ffn_ranks)]
-    if launcher == "process":
-        context = multiprocessing.get_context("spawn")
-        results = context.Queue()
-        workers = [context.Process(target=_child_main, args=(role, i, run, x, results), daemon=True)
-                   for role, i, x in jobs]
-    else:
-        results = queue.Queue()
-        workers = [threading.Thread(target=_child_main, args=(role, i, run, x, results), daemon=True)
-                   for role, i, x in jobs]
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    workers = [context.Process(target=_child_main, args=(role, i, run, x, results), daemon=True)
+               for role, i, x in jobs]
     for worker in workers:
         worker.start()
     collected: dict[tuple[str, int], object] = {}
@@ -204,7 +198,7 @@ def run_topology(run: RunSpec, hidden_states: torch.Tensor, *, launcher: str = "
             try:
                 status, role, index, payload = results.get(timeout=0.5)
             except queue.Empty:
-                dead = [w for w in workers if launcher == "process" and w.exitcode not in (None, 0)]
+                dead = [w for w in workers if w.exitcode not in (None, 0)]
                 if dead:
                     raise SelfCheckError(f"a rank process exited with status {dead[0].exitcode} without a result")
                 if time.monotonic() > deadline:
@@ -214,7 +208,7 @@ def run_topology(run: RunSpec, hidden_states: torch.Tensor, *, launcher: str = "
                 raise SelfCheckError(f"{role} rank {index} failed:\n{payload}")
             collected[(role, index)] = payload
     finally:
-        _reap(workers, launcher)
+        _reap(workers)
 
     attention = [collected[("attention", a)] for a in range(run.attention_ranks)]
     ffn = [collected[("ffn", f)] for f in range(run.ffn_ranks)]
@@ -240,12 +234,10 @@ def run_topology(run: RunSpec, hidden_states: torch.Tensor, *, launcher: str = "
     return RunResult(outputs=outputs, report=report)
 
 
-def _reap(workers, launcher: str) -> None:
+def _reap(workers) -> None:
     """No rank outlives the tool: join briefly, then terminate, then kill."""
     for worker in workers:
         worker.join(timeout=10)
-    if launcher != "process":
-        return
     for worker in workers:
         if worker.is_alive():
             worker.terminate()
