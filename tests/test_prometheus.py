@@ -4,9 +4,7 @@ running operator and an FFN runtime's /metrics; the AFD series are read back fro
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
@@ -16,8 +14,9 @@ import pytest
 import yaml
 
 from afd_operator import naming
-from afd_devcluster import ControlPlane, FakeKubelet, free_port
+from afd_devcluster import ControlPlane, FakeKubelet
 from afd_devcluster.operator_process import OperatorProcess
+from afd_devcluster.prometheus import prometheus_server, query
 from afd_shared_experts.metrics import ProbeServer, RuntimeMetrics
 from k8s_helpers import Helm, wait_for
 
@@ -82,14 +81,6 @@ def scrape_config(endpoint: dict[str, Any], targets: dict[str, int]) -> dict[str
                                for job, port in targets.items()]}
 
 
-def query(base: str, promql: str) -> list[dict[str, Any]]:
-    url = f"{base}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        body = json.load(resp)
-    assert body["status"] == "success", body
-    return body["data"]["result"]
-
-
 def value_of(base: str, promql: str) -> float | None:
     result = query(base, promql)
     return float(result[0]["value"][1]) if result else None
@@ -99,32 +90,10 @@ def value_of(base: str, promql: str) -> float | None:
 def prometheus(operator: OperatorProcess, ffn_runtime: ProbeServer, repo_root: Path,
                tmp_path_factory) -> Iterator[str]:
     workdir = tmp_path_factory.mktemp("prometheus")
-    config = workdir / "prometheus.yml"
-    config.write_text(yaml.safe_dump(scrape_config(chart_scrape_endpoint(repo_root, workdir),
-                                                   {"afd-operator": operator.metrics_port,
-                                                    "afd-runtime": ffn_runtime.metrics_port})))
-    check = subprocess.run(["promtool", "check", "config", str(config)], capture_output=True, text=True)
-    assert check.returncode == 0, check.stdout + check.stderr
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    with open(workdir / "prometheus.log", "wb") as log:
-        proc = subprocess.Popen([shutil.which("prometheus") or "prometheus", f"--config.file={config}",
-                                 f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_for(lambda: proc.poll() is None and _ready(base), "Prometheus ready", 30, interval=0.5)
+    config = scrape_config(chart_scrape_endpoint(repo_root, workdir),
+                           {"afd-operator": operator.metrics_port, "afd-runtime": ffn_runtime.metrics_port})
+    with prometheus_server(config, workdir) as base:
         yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-
-
-def _ready(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{base}/-/ready", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 def test_prometheus_scrapes_the_operator_metrics(prometheus: str, namespace: str) -> None:

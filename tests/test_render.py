@@ -125,6 +125,25 @@ def test_probes_and_prestop_per_role() -> None:
             assert "readinessProbe" not in c and "--headless" in c["command"]
 
 
+@pytest.mark.parametrize("grace,head_timeout,headless_timeout", [(120, 105, 110), (30, 15, 20), (12, 1, 2), (0, 1, 1)])
+def test_engines_drain_and_exit_within_the_termination_grace_period(grace, head_timeout, headless_timeout) -> None:
+    """vLLM's --shutdown-timeout leaves room for the head's preStop and for the processes to
+    exit before the kubelet's SIGKILL; never 0 (vLLM would force-kill its workers at once and
+    no Attention rank would send its AFD shutdown notice)."""
+    spec = spec_of(termination={"gracePeriodSeconds": grace, "drainSeconds": 0})
+    for pod in of_kind(render_spec(spec), "Pod"):
+        c = pod["spec"]["containers"][0]
+        if pod["metadata"]["labels"][naming.LABEL_ROLE] == "ffn":
+            assert "--shutdown-timeout" not in c["command"]
+            continue
+        head = pod["metadata"]["labels"][naming.LABEL_HEAD] == "true"
+        timeout = c["command"][c["command"].index("--shutdown-timeout") + 1]
+        assert timeout == str(head_timeout if head else headless_timeout)
+        assert pod["spec"]["terminationGracePeriodSeconds"] == grace
+        if head:
+            assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(min(5, grace))]
+
+
 def test_cpu_platform_has_no_devices_and_pod_networking() -> None:
     for pod in of_kind(render_spec(spec_of(platform="cpu")), "Pod"):
         s, c = pod["spec"], pod["spec"]["containers"][0]

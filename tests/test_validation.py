@@ -57,6 +57,8 @@ MALFORMED = [
     ("spec.attention.tensorParallel", 3, "spec.attention.tensorParallel", "must divide attention.devicesPerPod"),
     ("spec.attention.devicesPerPod", 3, "spec.attention.devicesPerPod", "multiple of devicesPerPod (3) or fit in one pod"),
     ("spec.attention.engineArgs", ["--tensor-parallel-size=8"], "spec.attention.engineArgs[0]", "set by the operator"),
+    ("spec.attention.engineArgs", ["--enforce-eager", "--shutdown-timeout", "0"], "spec.attention.engineArgs[1]",
+     "'--shutdown-timeout' is set by the operator from termination.gracePeriodSeconds"),
     ("spec.attention.env", [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}], "spec.attention.env[1].name", "duplicate"),
     ("spec.attention.env", [{"name": "1BAD", "value": "1"}], "spec.attention.env[0].name", "not start with a digit"),
     ("spec.attention.env", [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}], "spec.attention.env[0]", "either value or valueFrom"),
@@ -120,6 +122,19 @@ def test_all_problems_reported_at_once() -> None:
     _, problems = validate_object(obj)
     paths = {p.path for p in problems}
     assert {"spec.replicas", "spec.platform", "spec.unknownThing", "spec.attention.dataParallel"} <= paths
+
+
+def test_head_only_engine_flags_only_when_all_attention_ranks_share_one_pod() -> None:
+    # base(): DP 2 x TP 2 in one pod of 4 devices: no headless pod, vLLM takes the flag.
+    obj, problems = validate_object(with_change("spec.attention.engineArgs", ["--api-server-count", "2"]))
+    assert obj is not None and not problems
+    spread = with_change("spec.attention.engineArgs", ["--enforce-eager", "--api-server-count=1"])
+    spread["spec"]["attention"]["devicesPerPod"] = 2
+    obj, problems = validate_object(spread)
+    assert obj is None
+    assert [str(p) for p in problems] == [
+        "spec.attention.engineArgs[1]: '--api-server-count' is refused by vLLM on headless Attention pods (these "
+        "ranks span 2 pods and engineArgs go to every one); allowed only when all Attention ranks fit in one pod"]
 
 
 def test_cross_field_problems_reported_together() -> None:

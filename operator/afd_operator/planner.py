@@ -181,6 +181,26 @@ def afd_config(spec: AFDDeploymentSpec, role: Role, host: str, port: int) -> AFD
     )
 
 
+# Lets kube-proxy drop a deleted head from the API Service before vLLM gets SIGTERM.
+PRESTOP_ENDPOINT_GRACE_SECONDS = 5
+# Kept back from the termination grace period for vLLM to stop its processes after draining.
+ENGINE_EXIT_MARGIN_SECONDS = 10
+
+
+def prestop_seconds(spec: AFDDeploymentSpec) -> int:
+    """The head's preStop wait (it counts against terminationGracePeriodSeconds)."""
+    return min(PRESTOP_ENDPOINT_GRACE_SECONDS, spec.termination.grace_period_seconds)
+
+
+def engine_shutdown_timeout(spec: AFDDeploymentSpec, head: bool) -> int:
+    """vLLM's --shutdown-timeout for an Attention pod. At vLLM's default (0) SIGTERM aborts
+    running requests and force-kills the engine and worker processes at once, so no Attention
+    rank sends its AFD shutdown notice and the FFN pods fail on every teardown. Sized so the
+    engine drains and every process exits before the kubelet's SIGKILL."""
+    left = spec.termination.grace_period_seconds - (prestop_seconds(spec) if head else 0)
+    return max(1, left - ENGINE_EXIT_MARGIN_SECONDS)
+
+
 def _model_args(spec: AFDDeploymentSpec) -> list[str]:
     m = spec.model
     args = ["--max-num-batched-tokens", str(m.max_num_batched_tokens), "--dtype", m.dtype]
@@ -243,6 +263,7 @@ def _attention_pod(
         command += ["--host", "0.0.0.0", "--port", str(ports.api)]
     else:
         command += ["--headless", "--data-parallel-start-rank", str(dp_start)]
+    command += ["--shutdown-timeout", str(engine_shutdown_timeout(spec, head))]
     command += _model_args(spec)
     # The plugin's load format: vLLM's loader without reading any routed-expert weight from
     # disk (docs/plugin.md). Before engineArgs, so a user's --load-format wins.

@@ -23,13 +23,12 @@ from typing import Any, Optional
 
 from . import naming
 from .api import API_VERSION, KIND, AFDDeploymentSpec, EnvVar, PodTemplateOverrides
-from .planner import PROMETHEUS_MULTIPROC_DIR, InstancePlan, Plan, PodPlan, rollout_budget, uses_host_network
+from .planner import (PROMETHEUS_MULTIPROC_DIR, InstancePlan, Plan, PodPlan, prestop_seconds, rollout_budget,
+                      uses_host_network)
 
 Obj = dict[str, Any]
 
 PROBE_PERIOD_SECONDS = 10
-# Lets kube-proxy drop a deleted head from the API Service before vLLM gets SIGTERM.
-PRESTOP_ENDPOINT_GRACE_SECONDS = 5
 HCCN_CONF = "/etc/hccn.conf"
 _LABEL_VALUE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -210,8 +209,7 @@ def render_pod(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, pod:
         **_probes(spec, pod),
     }
     if pod.head:
-        grace = min(PRESTOP_ENDPOINT_GRACE_SECONDS, spec.termination.grace_period_seconds)
-        container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(grace)]}}}
+        container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(prestop_seconds(spec))]}}}
     pod_spec: Obj = {
         "hostname": pod.name,
         "subdomain": instance.name,

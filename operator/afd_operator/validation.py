@@ -45,7 +45,10 @@ OPERATOR_OWNED_FLAGS = {
     "--max-model-len": "model.maxModelLen",
     "--dtype": "model.dtype",
     "--quantization": "model.quantization",
+    "--shutdown-timeout": "termination.gracePeriodSeconds",
 }
+# vLLM refuses these on headless pods (it starts no API server there) and exits at start.
+HEAD_ONLY_FLAGS = ("--api-server-count", "-asc")
 
 
 @dataclass(frozen=True, order=True)
@@ -99,14 +102,21 @@ def _check_env(path: str, env: list[EnvVar]) -> list[Problem]:
     return problems
 
 
-def _check_engine_args(args: list[str]) -> list[Problem]:
+def _check_engine_args(spec: AFDDeploymentSpec) -> list[Problem]:
     problems = []
-    for i, arg in enumerate(args):
+    attention_pods = attention_layout(spec).pods
+    for i, arg in enumerate(spec.attention.engine_args):
         flag = arg.split("=", 1)[0]
         if flag in OPERATOR_OWNED_FLAGS:
             problems.append(Problem(
                 f"spec.attention.engineArgs[{i}]",
                 f"'{flag}' is set by the operator from {OPERATOR_OWNED_FLAGS[flag]}",
+            ))
+        elif flag in HEAD_ONLY_FLAGS and attention_pods > 1:
+            problems.append(Problem(
+                f"spec.attention.engineArgs[{i}]",
+                f"'{flag}' is refused by vLLM on headless Attention pods (these ranks span {attention_pods} "
+                "pods and engineArgs go to every one); allowed only when all Attention ranks fit in one pod",
             ))
     return problems
 
@@ -246,7 +256,7 @@ def check_spec(spec: AFDDeploymentSpec, name: str, namespace: str = "default") -
         ))
     max_index = max(spec.replicas + budget.surge - 1, 0)
     problems += _check_ports(spec, max_index)
-    problems += _check_engine_args(spec.attention.engine_args)
+    problems += _check_engine_args(spec)
     problems += _check_env("spec.attention.env", spec.attention.env)
     problems += _check_env("spec.ffn.env", spec.ffn.env)
     if spec.recovery.max_backoff_seconds < spec.recovery.backoff_seconds:

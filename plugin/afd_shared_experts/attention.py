@@ -7,6 +7,7 @@ A vLLM model wrapper calls ``RemoteMoE.forward(hidden_states, topk_ids, topk_wei
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -15,6 +16,7 @@ from .connector import AFDConnector, DispatchTicket, FFNPayload
 from .metrics import RuntimeMetrics
 from .model import GateWeights, MoESpec, SharedExpertWeights
 from .partition import affinity_assignment, contiguous_ranges
+from .trace import clocks, stage_trace, trace_enabled
 
 
 def host_row_counts(counts: torch.Tensor) -> list[list[list[int]]]:
@@ -64,6 +66,7 @@ class RemoteMoE:
         dtype: torch.dtype,
         shared: SharedExpertWeights | None = None,
         metrics: RuntimeMetrics | None = None,
+        read_row_counts: Callable[[torch.Tensor], list[list[list[int]]]] | None = None,
     ):
         if placement == "attention" and shared is None:
             raise ValueError("placement 'attention' needs the shared-expert weights on the Attention rank")
@@ -76,10 +79,15 @@ class RemoteMoE:
         self.local_experts = spec.local_experts(num_ffn_ranks)
         self.placement, self.partition, self.dtype = placement, partition, dtype
         self.shared, self.metrics = shared, metrics
+        self.trace = stage_trace("attention", connector.rank) if trace_enabled() else None
+        # Wraps host_row_counts (the selfcheck counts it and allows its sync under sync-debug mode).
+        self.read_row_counts = read_row_counts
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
-                num_tokens: int | None = None, stage: int = 0) -> torch.Tensor:
-        return self.combine(self.dispatch(hidden_states, topk_ids, topk_weights, num_tokens=num_tokens, stage=stage))
+                num_tokens: int | None = None, stage: int = 0, step: int | None = None,
+                stages: int = 1) -> torch.Tensor:
+        return self.combine(self.dispatch(hidden_states, topk_ids, topk_weights, num_tokens=num_tokens, stage=stage,
+                                          step=step, stages=stages))
 
     def _designated_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """[T * k] bool: the row that carries its token's shared work to the FFN side."""
@@ -93,8 +101,13 @@ class RemoteMoE:
         return (slot == candidates.argmin(dim=1, keepdim=True)).reshape(-1)
 
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
-                 num_tokens: int | None = None, stage: int = 0) -> PendingCombine:
-        """Send this step's rows. Rows at index >= num_tokens are padding: never sent, zero output."""
+                 num_tokens: int | None = None, stage: int = 0, step: int | None = None,
+                 stages: int = 1) -> PendingCombine:
+        """Send this step's rows. Rows at index >= num_tokens are padding: never sent, zero output.
+        ``step``/``stages``: this rank's forward counter (None: the connector counts) and its
+        stage count in it (the FFN gathers one (step, layer, stage) from every Attention rank
+        into one expert pass)."""
+        started = clocks() if self.trace is not None else None
         total_rows, hidden = hidden_states.shape
         real = total_rows if num_tokens is None else num_tokens
         if not 0 <= real <= total_rows:
@@ -116,7 +129,8 @@ class RemoteMoE:
         counts = torch.zeros(2, num_experts, dtype=torch.int64, device=device)
         counts[0].index_add_(0, flat_ids, torch.ones_like(flat_ids))
         counts[1].index_add_(0, flat_ids, designated.long())
-        routed_counts, shared_prefix = host_row_counts(counts.view(2, ffn, self.local_experts))
+        read = self.read_row_counts or host_row_counts
+        routed_counts, shared_prefix = read(counts.view(2, ffn, self.local_experts))
         rows_per_rank = [sum(c) for c in routed_counts]
         shared_per_rank = [sum(p) for p in shared_prefix]
 
@@ -142,7 +156,10 @@ class RemoteMoE:
             payloads.append(FFNPayload(rows=rows, routed_counts=tuple(routed_counts[f]),
                                        shared_prefix=tuple(shared_prefix[f]), shared_extra=extra))
             plans.append(_RankPlan(tokens=tokens, weights=rank_weights, shared_tokens=rank_shared))
-        ticket = self.connector.dispatch(self.layer, stage, payloads)
+        ticket = self.connector.dispatch(self.layer, stage, payloads, step=step, stages=stages)
+        if started is not None:
+            self.trace.record("dispatch", started[0], wall_ns=started[1], step=ticket.step, layer=self.layer, stage=stage,
+                              rows=sum(p.rows.shape[0] for p in payloads))
         if self.metrics is not None:
             self.metrics.tokens_dispatched.labels(kind="routed", layer=str(self.layer)).inc(sum(p.routed_rows for p in payloads))
             self.metrics.tokens_dispatched.labels(kind="shared", layer=str(self.layer)).inc(sum(p.shared_rows for p in payloads))
@@ -152,7 +169,12 @@ class RemoteMoE:
                               local_shared=local_shared, hidden_size=hidden, device=device)
 
     def combine(self, pending: PendingCombine) -> torch.Tensor:
+        started = clocks() if self.trace is not None else None
         ticket, replies = self.connector.receive_replies(pending.ticket.stage)
+        if started is not None:
+            where = dict(step=ticket.step, layer=self.layer, stage=ticket.stage)
+            self.trace.record("combine_wait", started[0], wall_ns=started[1], rows=0, **where)
+            started = clocks()
         if ticket != pending.ticket:
             raise RuntimeError(f"combine out of order: expected {pending.ticket}, the connector answered {ticket}")
         real, hidden, device = pending.num_tokens, pending.hidden_size, pending.device
@@ -167,6 +189,8 @@ class RemoteMoE:
             if plan.shared_tokens.shape[0]:
                 shared.index_copy_(0, plan.shared_tokens, reply[routed_count:].to(shared.dtype))
         out = combine(routed_sum, shared, self.spec.routed_scaling_factor, self.dtype)
+        if started is not None:
+            self.trace.record("combine", started[0], wall_ns=started[1], rows=real, **where)
         if pending.total_rows == real:
             return out
         padded = torch.zeros(pending.total_rows, hidden, dtype=self.dtype, device=device)

@@ -2,12 +2,15 @@
 
 Wire protocol (per Attention rank a -> FFN rank f, one AFD world: Attention ranks 0..A-1,
 FFN ranks A..A+F-1):
-- work: an int64 header (``WorkHeader``), then, when it announces rows, one payload
-  [routed + extra shared rows, H] in the model dtype;
+- work: an int64 header (``encode_work_header``: layer, sequence number, stage, the sender's
+  step and its number of stages in that step, row counts), then, when it announces rows, one
+  payload [routed + extra shared rows, H] in the model dtype;
 - reply (f -> a): an int64 header (``ReplyHeader``), then, when rows > 0, one payload
   [routed rows + shared rows, H].
 Every dispatch reaches every FFN rank (a header-only one when it has no rows) and every FFN
-rank answers every dispatch, so no side waits for a message that never comes.
+rank answers every dispatch, so no side waits for a message that never comes. The step and
+stage count let an FFN rank gather one (step, layer, stage) from every Attention rank into
+one expert pass (``ffn_batching.py``).
 
 Where it runs (docs/plugin-runtime.md, "Connector"):
 - Control plane: headers go over gloo (CPU tensors) on two process groups, one per direction
@@ -33,8 +36,8 @@ Ordering and lifetime rules:
 from __future__ import annotations
 
 import json
-import os
 import queue
+import socket
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -57,11 +60,14 @@ KIND_WORK, KIND_SHUTDOWN, KIND_REPLY = 1, 2, 3
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Only gloo reads tags; pairing never depends on them (HCCL/NCCL ignore them).
 TAG_HEADER, TAG_PAYLOAD = 1, 2
+MAX_STAGES = 64  # bounds the header's stage count (micro-batches of one step)
 BYTE_KINDS = ("routed_rows", "shared_rows", "headers", "replies")
 REPLY_HEADER_LEN = 8
 WAIT_SLICE_SECONDS = 0.05
 WATCHER_JOIN_SECONDS = 2.0
 PROCESS_GROUP_TIMEOUT = timedelta(days=1)
+# How often a rank polls for rank 0's store to listen before joining it (see wait_for_listener).
+LISTENER_POLL_SECONDS = 0.2
 CPU = torch.device("cpu")
 
 # --------------------------------------------------------------------------- messages
@@ -94,6 +100,8 @@ class WorkItem:
     seq: int
     stage: int
     payload: FFNPayload
+    step: int = 0  # the sender's forward counter
+    stages: int = 1  # how many stages the sender runs in this step (stage < stages)
 
 
 @dataclass(frozen=True)
@@ -101,24 +109,48 @@ class DispatchTicket:
     layer: int
     seq: int
     stage: int
+    step: int = 0
 
 
 def encode_work_header(kind: int, layer: int, seq: int, stage: int, source: int, dtype: torch.dtype,
-                       hidden: int, payload: FFNPayload | None, local_experts: int) -> torch.Tensor:
+                       hidden: int, payload: FFNPayload | None, local_experts: int, *, step: int = 0,
+                       stages: int = 1) -> torch.Tensor:
+    """[MAGIC, kind, layer, seq, stage, source, dtype, hidden, local_experts, shared_extra, step,
+    stages, routed_counts[E], shared_prefix[E]]."""
     routed = payload.routed_counts if payload else (0,) * local_experts
     prefix = payload.shared_prefix if payload else (0,) * local_experts
     extra = payload.shared_extra if payload else 0
     return torch.tensor([MAGIC, kind, layer, seq, stage, source, DTYPE_CODES[dtype], hidden, local_experts, extra,
-                         *routed, *prefix], dtype=torch.int64)
+                         step, stages, *routed, *prefix], dtype=torch.int64)
 
 
 def work_header_len(local_experts: int) -> int:
-    return 10 + 2 * local_experts
+    return 12 + 2 * local_experts
+
+
+def check_stage(stage: int, stages: int, *, what: str) -> None:
+    """The stage rule both ends apply: 1 <= stages <= MAX_STAGES and 0 <= stage < stages."""
+    if not 1 <= stages <= MAX_STAGES:
+        raise PayloadError(f"{what}: field stages must be in [1, {MAX_STAGES}] (got {stages})")
+    if not 0 <= stage < stages:
+        raise PayloadError(f"{what}: field stage must be in [0, stages) = [0, {stages}) (got {stage})")
+
+
+@dataclass(frozen=True)
+class WorkHeader:
+    kind: int
+    layer: int
+    seq: int
+    stage: int
+    step: int
+    stages: int
+    routed_counts: tuple[int, ...]
+    shared_prefix: tuple[int, ...]
+    shared_extra: int
 
 
 def decode_work_header(header: torch.Tensor, *, source: int, dtype: torch.dtype, hidden: int,
-                       local_experts: int) -> tuple[int, int, int, int, tuple[int, ...], tuple[int, ...], int]:
-    """Returns (kind, layer, seq, stage, routed_counts, shared_prefix, shared_extra)."""
+                       local_experts: int) -> WorkHeader:
     values = header.tolist()
     expected = {"magic": MAGIC, "source": source, "dtype": DTYPE_CODES[dtype], "hidden": hidden,
                 "local_experts": local_experts}
@@ -130,13 +162,19 @@ def decode_work_header(header: torch.Tensor, *, source: int, dtype: torch.dtype,
     kind = values[1]
     if kind not in (KIND_WORK, KIND_SHUTDOWN):
         raise PayloadError(f"work header from Attention rank {source}: field kind must be work or shutdown (got {kind})")
-    routed = tuple(values[10:10 + local_experts])
-    prefix = tuple(values[10 + local_experts:])
-    extra = values[9]
+    routed = tuple(values[12:12 + local_experts])
+    prefix = tuple(values[12 + local_experts:])
+    extra, step, stages = values[9], values[10], values[11]
     if any(c < 0 for c in routed) or extra < 0 or any(not 0 <= p <= c for p, c in zip(prefix, routed)):
         raise PayloadError(f"work header from Attention rank {source}: row counts must satisfy "
-                           f"0 <= shared_prefix <= routed_counts and shared_extra >= 0 (got {values[9:]})")
-    return kind, values[2], values[3], values[4], routed, prefix, extra
+                           f"0 <= shared_prefix <= routed_counts and shared_extra >= 0 (got {values[12:]}, "
+                           f"shared_extra {extra})")
+    if kind == KIND_WORK:
+        if step < 0:
+            raise PayloadError(f"work header from Attention rank {source}: field step must be >= 0 (got {step})")
+        check_stage(values[4], stages, what=f"work header from Attention rank {source}")
+    return WorkHeader(kind=kind, layer=values[2], seq=values[3], stage=values[4], step=step, stages=stages,
+                      routed_counts=routed, shared_prefix=prefix, shared_extra=extra)
 
 
 # --------------------------------------------------------------------------- transport
@@ -294,6 +332,23 @@ class _ExpectedReply:
     header: torch.Tensor
 
 
+def wait_for_listener(host: str, port: int, deadline: float, cancelled: threading.Event) -> None:
+    """Return once host:port accepts a TCP connection. A TCPStore client that finds nobody
+    listening sleeps a random delay of about its own timeout before it tries again, so rank 0 could
+    give up waiting for it although it started in time; probing with a plain socket first lets
+    every rank join within a poll of rank 0 coming up. Probes do not count as joined ranks."""
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            socket.create_connection((host, port), timeout=max(0.1, min(remaining, 1.0))).close()
+            return
+        except OSError as exc:
+            if remaining <= LISTENER_POLL_SECONDS:
+                raise TimeoutError(f"nothing listening at {host}:{port}: {exc}") from exc
+            if cancelled.wait(LISTENER_POLL_SECONDS):
+                raise ConnectorClosedError(f"closed while waiting for {host}:{port}") from exc
+
+
 def choose_data_plane(requests: list[tuple[str, str]]) -> str:
     """The data plane of a world from every rank's (requested plane, device identity): one
     request for all; ``auto`` is ``direct`` when every rank owns an accelerator of its own,
@@ -329,7 +384,12 @@ class AFDConnector(ABC):
 
     # Attention side
     @abstractmethod
-    def dispatch(self, layer: int, stage: int, payloads: list[FFNPayload]) -> DispatchTicket: ...
+    def dispatch(self, layer: int, stage: int, payloads: list[FFNPayload], *, step: int | None = None,
+                 stages: int = 1) -> DispatchTicket:
+        """Send one (step, layer, stage) to every FFN rank; ``stages`` is how many stages this
+        rank runs in ``step`` (the FFN expects its stages 0..stages-1 of each layer in order).
+        ``step`` None: the connector counts forwards itself (a stage-0 dispatch of a layer not
+        above the previous one's starts the next step: MoE layers run in increasing order)."""
 
     @abstractmethod
     def receive_replies(self, stage: int) -> tuple[DispatchTicket, list[torch.Tensor]]:
@@ -337,9 +397,14 @@ class AFDConnector(ABC):
 
     # FFN side
     @abstractmethod
-    def receive_work(self) -> WorkItem | None:
-        """Next work item from any Attention rank in arrival order; None once every
-        Attention rank has shut down."""
+    def receive_work(self, timeout: float | None = None) -> WorkItem | None:
+        """Next work item from any Attention rank in arrival order; None when an Attention rank
+        shut down, when ``timeout`` seconds passed without work, or once no Attention rank is
+        active (``active_sources()`` tells them apart)."""
+
+    @abstractmethod
+    def active_sources(self) -> list[int]:
+        """Attention ranks that have not shut down."""
 
     @abstractmethod
     def send_reply(self, item: WorkItem, rows: torch.Tensor, routed_rows: int, shared_rows: int) -> None: ...
@@ -394,6 +459,7 @@ class P2PConnector(AFDConnector):
         self._failed = False
         self._heartbeat: _Heartbeat | None = None
         self._seq = 0
+        self._counted_steps, self._last_layer = 0, None  # forwards counted when callers name no step
         self._pending: dict[int, deque[DispatchTicket]] = {}
         self._expected: dict[int, deque[_ExpectedReply]] = {}
         self._arrived: dict[int, dict[int, tuple[torch.Tensor, object]]] = {}
@@ -432,6 +498,8 @@ class P2PConnector(AFDConnector):
         try:
             # The store bounds the rendezvous; the process groups' own timeout would break the
             # pairs of an FFN rank that is merely idle, so liveness is checked by heartbeats instead.
+            if self.rank != 0:
+                wait_for_listener(self.host, self.port, time.monotonic() + self.timeout_seconds, self._closed)
             self._store = dist.TCPStore(self.host, self.port, self.world_size, self.rank == 0, timeout)
             self.data_plane = self._agree_on_data_plane()
             data_device = CPU if self._staged else self.device
@@ -597,21 +665,26 @@ class P2PConnector(AFDConnector):
             self.metrics.sent_bytes.labels(kind=kind).inc(nbytes)
 
     # ------------------------------------------------------------------ Attention side
-    def dispatch(self, layer: int, stage: int, payloads: list[FFNPayload]) -> DispatchTicket:
+    def dispatch(self, layer: int, stage: int, payloads: list[FFNPayload], *, step: int | None = None,
+                 stages: int = 1) -> DispatchTicket:
         self._require_open("attention")
+        check_stage(stage, stages, what=f"rank {self.rank}: dispatch of layer {layer}")
+        if step is not None and step < 0:
+            raise PayloadError(f"rank {self.rank}: dispatch of layer {layer}: step must be >= 0 (got {step})")
         if len(payloads) != self.num_ffn_ranks:
             raise ValueError(f"dispatch needs one payload per FFN rank ({self.num_ffn_ranks}), got {len(payloads)}")
         for f, payload in enumerate(payloads):
             if payload.rows.shape != (payload.routed_rows + payload.shared_extra, self.hidden_size):
                 raise PayloadError(f"payload for FFN rank {f}: rows shape {tuple(payload.rows.shape)} does not match "
                                    f"its counts ({payload.routed_rows} routed + {payload.shared_extra} extra shared)")
-        ticket = DispatchTicket(layer=layer, seq=self._seq, stage=stage)
+        ticket = DispatchTicket(layer=layer, seq=self._seq, stage=stage,
+                                step=self._counted_step(layer, stage) if step is None else step)
         self._seq += 1
         sends = _InFlight()
         for f, (payload, rows) in enumerate(zip(payloads, self._outgoing([p.rows for p in payloads]))):
             dst = self.num_attention_ranks + f
             header = encode_work_header(KIND_WORK, layer, ticket.seq, stage, self.rank, self.dtype, self.hidden_size,
-                                        payload, self.local_experts)
+                                        payload, self.local_experts, step=ticket.step, stages=stages)
             sends.add(self._isend("work-control", header, dst, TAG_HEADER), header)
             self._count("headers", header)
             if rows.shape[0]:
@@ -626,6 +699,13 @@ class P2PConnector(AFDConnector):
         self._sends_in_flight.append(sends)
         self._pending.setdefault(stage, deque()).append(ticket)
         return ticket
+
+    def _counted_step(self, layer: int, stage: int) -> int:
+        if stage == 0:
+            if self._last_layer is not None and layer <= self._last_layer:
+                self._counted_steps += 1
+            self._last_layer = layer
+        return self._counted_steps
 
     def receive_replies(self, stage: int) -> tuple[DispatchTicket, list[torch.Tensor]]:
         self._require_open("attention")
@@ -679,7 +759,10 @@ class P2PConnector(AFDConnector):
         header = torch.empty(work_header_len(self.local_experts), dtype=torch.int64)
         self._header_recvs[source] = (self._irecv("work-control", header, source, TAG_HEADER), header)
 
-    def receive_work(self) -> WorkItem | None:
+    def active_sources(self) -> list[int]:
+        return list(self._active_sources)
+
+    def receive_work(self, timeout: float | None = None) -> WorkItem | None:
         self._require_open("ffn")
         self._reap_sends()
         started = time.monotonic()
@@ -699,26 +782,28 @@ class P2PConnector(AFDConnector):
                     item = self._take_work(source, header)
                     if item is not None and self.metrics is not None:
                         self.metrics.ffn_work_wait.observe(time.monotonic() - started)
-                    if item is not None:
-                        return item
-                    break
-            else:
-                self._check_progress("work", self._active_sources, None)
-                self._wakeup.wait(WAIT_SLICE_SECONDS)
+                    return item  # None: the source shut down
+            self._check_progress("work", self._active_sources, None)
+            waited = time.monotonic() - started
+            if timeout is not None and waited >= timeout:
+                return None
+            self._wakeup.wait(WAIT_SLICE_SECONDS if timeout is None else min(WAIT_SLICE_SECONDS, timeout - waited))
 
     def _take_work(self, source: int, header: torch.Tensor) -> WorkItem | None:
-        kind, layer, seq, stage, routed, prefix, extra = decode_work_header(
-            header, source=source, dtype=self.dtype, hidden=self.hidden_size, local_experts=self.local_experts)
-        if kind == KIND_SHUTDOWN:
+        work = decode_work_header(header, source=source, dtype=self.dtype, hidden=self.hidden_size,
+                                  local_experts=self.local_experts)
+        if work.kind == KIND_SHUTDOWN:
             self._active_sources.remove(source)
             del self._header_recvs[source]
             return None
-        buffer, handle = self._post_payload_recv("work-data", sum(routed) + extra, source)
+        buffer, handle = self._post_payload_recv("work-data", sum(work.routed_counts) + work.shared_extra, source)
         # The next header receive is posted after the payload receive: the order the peer sends in.
         self._post_header_recv(source)
         rows = self._received(buffer, handle, f"work payload from Attention rank {source}", source)
-        return WorkItem(source=source, layer=layer, seq=seq, stage=stage,
-                        payload=FFNPayload(rows=rows, routed_counts=routed, shared_prefix=prefix, shared_extra=extra))
+        return WorkItem(source=source, layer=work.layer, seq=work.seq, stage=work.stage, step=work.step,
+                        stages=work.stages,
+                        payload=FFNPayload(rows=rows, routed_counts=work.routed_counts,
+                                           shared_prefix=work.shared_prefix, shared_extra=work.shared_extra))
 
     def send_reply(self, item: WorkItem, rows: torch.Tensor, routed_rows: int, shared_rows: int) -> None:
         self._require_open("ffn")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -87,6 +88,22 @@ def device_identity(device: torch.device) -> str:
     visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES", "").split(",")
     physical = visible[index] if index < len(visible) and visible[index].strip() else str(index)
     return f"{host}/npu/{physical.strip()}"
+
+
+@contextmanager
+def sync_debug_mode(device: torch.device, mode: int | str):
+    """CUDA's sync-debug mode for the block (``"error"``: a host sync raises; ``0``: syncs
+    allowed again, for a named sync inside an ``"error"`` block); nothing off CUDA. The mode is
+    process-wide: one rank per process while it is set."""
+    if device.type != "cuda":
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
 
 
 # --------------------------------------------------------------------------- host staging

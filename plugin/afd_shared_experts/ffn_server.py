@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import faulthandler
 import json
 import logging
 import os
@@ -262,6 +263,7 @@ def follow_supervisor(status) -> bool:
 
 def serve_rank(args: argparse.Namespace, cfg: AFDConfig, world_rank: int) -> int:
     """The rank process: load, connect, serve; 'ready' on the status pipe once serving."""
+    faulthandler.enable()  # a crash inside the backend still leaves every thread's stack in the log
     status = os.fdopen(args.rank_status_fd, "w")
     if not follow_supervisor(status):
         logger.error("FFN rank %d: the supervisor is gone", args.ffn_rank_start)
@@ -302,8 +304,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ffn_server: {exc}", file=sys.stderr)
         return 2
     if args.rank_status_fd is not None:
-        return serve_rank(args, cfg, ranks[0])
+        end_rank_process(serve_rank(args, cfg, ranks[0]))
     return supervise(args, device_name)
+
+
+def end_rank_process(code: int) -> None:
+    """Exit a rank process without interpreter teardown. A receive a departed peer never
+    answers leaves its watcher thread blocked inside the backend; running C++ static
+    destructors under it aborted a drained rank ("terminate called without an active
+    exception", exit -6) now and then, which the supervisor must read as a failed pod."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

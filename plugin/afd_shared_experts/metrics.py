@@ -9,6 +9,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+PEER_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -52,6 +53,25 @@ class RuntimeMetrics:
             "afd_ffn_work_wait_seconds",
             "Time an FFN rank waits for the next work item",
             buckets=WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.ffn_expert_passes = Counter(
+            "afd_ffn_expert_passes_total",
+            "Expert passes of an FFN rank, by stage: one routed and one shared pass over the rows every "
+            "Attention rank sent for one (step, layer, stage)",
+            ["stage"],
+            registry=self.registry,
+        )
+        self.ffn_pass_peers = Histogram(
+            "afd_ffn_expert_pass_peers",
+            "Attention ranks whose rows one FFN expert pass merged",
+            buckets=PEER_BUCKETS,
+            registry=self.registry,
+        )
+        self.ffn_partial_groups = Counter(
+            "afd_ffn_partial_groups_total",
+            "FFN expert passes started without an expected Attention rank's rows (it sent nothing within the "
+            "gather window; its rows join a later pass)",
             registry=self.registry,
         )
         self.errors = Counter(

@@ -1,12 +1,17 @@
-"""Self-check: run every MoE layer of a checkpoint through real AFD ranks over gloo.
+"""Self-check: run every MoE layer of a checkpoint through real AFD ranks (one process each).
 
 python -m afd_shared_experts.selfcheck --model DIR --inputs IN.safetensors --out OUT.safetensors
     --attention-ranks A --ffn-ranks F [--placement ffn|attention] [--partition affinity|contiguous]
-    [--dtype float32|bfloat16|float16] [--steps K] [--report REPORT.json] [--port P]
+    [--dtype float32|bfloat16|float16] [--steps K] [--device cpu|cuda[:i]|npu[:i]]
+    [--data-plane auto|direct|staged] [--report REPORT.json] [--port P]
 
 OUT holds ``layer.{l}`` [T, H] float32 for each MoE layer l: the layer's MoE output in model
 units (under float16 the runtime keeps vLLM's 1/r-scaled residual convention; the tool
 multiplies by r when writing so every dtype is comparable with the model's definition).
+Every rank loads its weights and inputs onto ``--device`` (all ranks on that one device), so
+on an accelerator the connector's data plane is ``staged``. On CUDA each Attention rank runs
+its forward under ``torch.cuda.set_sync_debug_mode("error")``: only the row-count read
+(``attention.host_row_counts``) and the connector's calls (staged host<->device copies) may sync.
 Exit status 0 on success, 1 on any failure (message on stderr), 2 on bad arguments.
 """
 
@@ -21,20 +26,26 @@ import socket
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from . import attention
 from .attention import AttentionMoELayer, RemoteMoE
-from .config import AFDConfigError, AFDConfig
+from .config import DATA_PLANES, AFDConfigError, AFDConfig
 from .connector import BYTE_KINDS, P2PConnector
+from .device import resolve_device, sync_debug_mode
+from .errors import DeviceUnavailableError
 from .ffn_runtime import FFNRuntime, torch_experts
 from .model import DTYPES, load_attention_weights, load_ffn_weights, load_spec
 
 CHILD_DEADLINE_SECONDS = 600.0
+# After a rank fails, how long to wait for its peers' errors: the rank that failed first
+# closes its connections before it reports, so a peer's "connection closed" may arrive first.
+FAILURE_REPORTS_SECONDS = 2.0
 
 
 class SelfCheckError(RuntimeError):
@@ -50,6 +61,8 @@ class RunSpec:
     partition: str = "affinity"
     dtype: str = "float32"
     steps: int = 1
+    device: str = "cpu"
+    data_plane: str = "auto"
     host: str = "127.0.0.1"
     port: int = 0
     timeout_seconds: float = 60.0
@@ -62,6 +75,8 @@ class AttentionResult:
     step_seconds: list[float]
     sent_bytes: dict[str, int]
     parameter_bytes: int
+    data_plane: str
+    row_count_syncs: dict[int, list[int]]  # layer -> host_row_counts calls in each step
 
 
 @dataclass
@@ -72,6 +87,7 @@ class FFNResult:
     sent_bytes: dict[str, int]
     parameter_bytes: int
     items_served: int
+    data_plane: str
 
 
 @dataclass
@@ -88,36 +104,88 @@ def rank_connector(run: RunSpec, role: str, rank: int, spec, dtype: torch.dtype)
     cfg = AFDConfig(role=role, num_attention_ranks=run.attention_ranks, num_ffn_ranks=run.ffn_ranks, host=run.host,
                     port=run.port, timeout_seconds=run.timeout_seconds)
     return P2PConnector.from_config(cfg, role=role, rank=rank, hidden_size=spec.hidden_size,
-                                    local_experts=spec.local_experts(run.ffn_ranks), dtype=dtype)
+                                    local_experts=spec.local_experts(run.ffn_ranks), dtype=dtype, device=run.device,
+                                    data_plane=run.data_plane)
+
+
+class _SyncsAllowed:
+    """The connector as an Attention rank's forward calls it: its calls may sync the host
+    (on the staged plane: the device<->host copies of payloads and replies) inside a
+    forward that runs under sync-debug mode "error"; everything else is the connector's."""
+
+    def __init__(self, connector: P2PConnector):
+        self.connector = connector
+
+    def __getattr__(self, name):
+        return getattr(self.connector, name)
+
+    def dispatch(self, *args, **kwargs):
+        with sync_debug_mode(self.connector.device, 0):
+            return self.connector.dispatch(*args, **kwargs)
+
+    def receive_replies(self, *args, **kwargs):
+        with sync_debug_mode(self.connector.device, 0):
+            return self.connector.receive_replies(*args, **kwargs)
+
+
+class _CountedRowCountReads:
+    """``attention.host_row_counts`` for one Attention rank: counted, and allowed to sync."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.calls = device, 0
+
+    def __call__(self, counts: torch.Tensor):
+        self.calls += 1
+        with sync_debug_mode(self.device, 0):
+            return attention.host_row_counts(counts)
 
 
 def run_attention_rank(run: RunSpec, rank: int, hidden_states: torch.Tensor) -> AttentionResult:
+    """One Attention rank's layers on ``run.device``; each forward under sync-debug mode
+    "error" on CUDA (process-wide: one such rank per process there). Outputs come back on
+    the CPU, in float32."""
     torch.set_num_threads(1)
     spec = load_spec(run.model_dir)
     dtype = DTYPES[run.dtype]
-    weights = load_attention_weights(run.model_dir, spec, run.placement, dtype)
+    device = resolve_device(run.device)
+    weights = load_attention_weights(run.model_dir, spec, run.placement, dtype, device)
+    hidden_states = hidden_states.to(device)
     connector = rank_connector(run, "attention", rank, spec, dtype)
+    row_count_reads = _CountedRowCountReads(device)
     try:
         connector.init()
         layers = {
-            l: AttentionMoELayer(w.gate, RemoteMoE(spec=spec, layer=l, connector=connector, num_ffn_ranks=run.ffn_ranks,
-                                                   placement=run.placement, partition=run.partition, dtype=dtype,
-                                                   shared=w.shared))
+            l: AttentionMoELayer(w.gate, RemoteMoE(spec=spec, layer=l, connector=_SyncsAllowed(connector),
+                                                   num_ffn_ranks=run.ffn_ranks, placement=run.placement,
+                                                   partition=run.partition, dtype=dtype, shared=w.shared,
+                                                   read_row_counts=row_count_reads))
             for l, w in weights.items()
         }
         first: dict[int, torch.Tensor] = {}
         step_seconds = []
+        row_count_syncs: dict[int, list[int]] = {l: [] for l in layers}
         for step in range(run.steps):
             started = time.perf_counter()
-            outputs = {l: layer.forward(hidden_states) for l, layer in layers.items()}
+            outputs = {}
+            for l, layer in layers.items():
+                before = row_count_reads.calls
+                with sync_debug_mode(device, "error"):
+                    outputs[l] = layer.forward(hidden_states)
+                row_count_syncs[l].append(row_count_reads.calls - before)
+            torch.get_device_module(device).synchronize(device)  # the step's device work is in its time
             step_seconds.append(time.perf_counter() - started)
-            if step == 0:
-                first = {l: out.float() for l, out in outputs.items()}  # lossless from bf16/fp16
             for l, out in outputs.items():
-                if not torch.equal(out.float(), first[l]):
+                if out.device != hidden_states.device:  # hidden_states.device names the index ("cuda:0")
+                    raise SelfCheckError(f"Attention rank {rank}: layer {l} output on {out.device}, "
+                                         f"input on {hidden_states.device}")
+                out = out.float().cpu()  # lossless from bf16/fp16
+                if step == 0:
+                    first[l] = out
+                elif not torch.equal(out, first[l]):
                     raise SelfCheckError(f"Attention rank {rank}: layer {l} output of step {step} differs from step 0")
         return AttentionResult(rank=rank, outputs=first, step_seconds=step_seconds, sent_bytes=dict(connector.sent_bytes),
-                               parameter_bytes=sum(w.parameter_bytes() for w in weights.values()))
+                               parameter_bytes=sum(w.parameter_bytes() for w in weights.values()),
+                               data_plane=connector.data_plane, row_count_syncs=row_count_syncs)
     finally:
         connector.close()
 
@@ -126,7 +194,8 @@ def run_ffn_rank(run: RunSpec, index: int) -> FFNResult:
     torch.set_num_threads(1)
     spec = load_spec(run.model_dir)
     dtype = DTYPES[run.dtype]
-    weights = load_ffn_weights(run.model_dir, spec, run.placement, index, run.ffn_ranks, dtype)
+    weights = load_ffn_weights(run.model_dir, spec, run.placement, index, run.ffn_ranks, dtype,
+                               resolve_device(run.device))
     connector = rank_connector(run, "ffn", run.attention_ranks + index, spec, dtype)
     try:
         connector.init()
@@ -136,7 +205,7 @@ def run_ffn_rank(run: RunSpec, index: int) -> FFNResult:
                          zero_token_replies={k: runtime.zero_token_replies[k] for k in ("routed", "shared")},
                          sent_bytes=dict(connector.sent_bytes),
                          parameter_bytes=sum(w.parameter_bytes() for w in weights.values()),
-                         items_served=runtime.items_served)
+                         items_served=runtime.items_served, data_plane=connector.data_plane)
     finally:
         connector.close()
 
@@ -148,6 +217,7 @@ def validate_run(run: RunSpec, hidden_states: torch.Tensor):
             raise SelfCheckError(f"{name} must be >= 1 (got {value})")
     if not 0 <= run.port <= 65535:
         raise SelfCheckError(f"--port must be 0 (pick a free one) or 1-65535 (got {run.port})")
+    validate_device(run)
     AFDConfig(role="attention", num_attention_ranks=run.attention_ranks,
               num_ffn_ranks=run.ffn_ranks).validate_for_model(spec.num_routed_experts, field_path="--ffn-ranks")
     if hidden_states.dim() != 2 or hidden_states.shape[1] != spec.hidden_size:
@@ -157,61 +227,129 @@ def validate_run(run: RunSpec, hidden_states: torch.Tensor):
     return spec
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _child_main(role: str, index: int, run: RunSpec, hidden_states, results) -> None:
+def validate_device(run: RunSpec) -> None:
+    """Fails fast, before any rank starts, on a device this machine cannot use or a data
+    plane the ranks cannot share it with."""
+    if run.data_plane not in DATA_PLANES:
+        raise SelfCheckError(f"--data-plane must be one of {', '.join(DATA_PLANES)} (got {run.data_plane!r})")
     try:
-        if role == "attention":
-            result = run_attention_rank(run, index, hidden_states)
-            # numpy pickles by value: the parent must not depend on this process's shared memory.
-            result.outputs = {l: t.numpy() for l, t in result.outputs.items()}
-            results.put(("ok", role, index, result))
-        else:
-            results.put(("ok", role, index, run_ffn_rank(run, index)))
-    except BaseException:
-        results.put(("error", role, index, traceback.format_exc()))
+        device = resolve_device(run.device)
+    except (DeviceUnavailableError, RuntimeError) as exc:  # RuntimeError: torch cannot parse the name
+        raise SelfCheckError(f"--device {run.device!r}: {exc}") from None
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise SelfCheckError(f"--device {run.device!r}: no such CUDA device ({torch.cuda.device_count()} visible)")
+    if device.type != "cpu" and run.data_plane == "direct":
+        raise SelfCheckError(f"--data-plane direct needs one device per rank, but every rank runs on {run.device!r}: "
+                             "use staged or auto")
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct free ports (the sockets are held together while they are picked)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _child_main(role: str, index: int, runs: list[RunSpec], hidden_states, results) -> None:
+    """One rank of every run in turn (a new AFD world per run)."""
+    for number, run in enumerate(runs):
+        try:
+            if role == "attention":
+                result = run_attention_rank(run, index, hidden_states)
+                # numpy pickles by value: the parent must not depend on this process's shared memory.
+                result.outputs = {l: t.numpy() for l, t in result.outputs.items()}
+            else:
+                result = run_ffn_rank(run, index)
+            results.put(("ok", number, role, index, result))
+        except BaseException:
+            results.put(("error", number, role, index, traceback.format_exc()))
+            return
 
 
 def run_topology(run: RunSpec, hidden_states: torch.Tensor) -> RunResult:
     """Run A Attention + F FFN ranks, one process each."""
-    spec = validate_run(run, hidden_states)
-    if run.port == 0:
-        run.port = free_port(run.host)
+    return run_topologies([run], hidden_states)[0]
+
+
+def run_topologies(runs: list[RunSpec], hidden_states: torch.Tensor) -> list[RunResult]:
+    """Several runs of one topology (same A and F) in one set of rank processes, one after
+    another, each its own AFD world on its own port: the processes start once."""
+    if not runs:
+        raise SelfCheckError("no run given")
+    if len({(run.attention_ranks, run.ffn_ranks) for run in runs}) != 1:
+        raise SelfCheckError("runs of one launch must have the same --attention-ranks and --ffn-ranks")
+    specs = [validate_run(run, hidden_states) for run in runs]
+    explicit = [run.port for run in runs if run.port]
+    if len(set(explicit)) != len(explicit):
+        raise SelfCheckError(f"runs of one launch need distinct ports (got {explicit})")
+    picked = iter(free_ports(len(runs) - len(explicit), runs[0].host))
+    runs = [replace(run, port=run.port or next(picked)) for run in runs]
+    attention_ranks, ffn_ranks = runs[0].attention_ranks, runs[0].ffn_ranks
     num_tokens = hidden_states.shape[0]
-    jobs = [("attention", a, hidden_states[slice(*token_range(a, num_tokens, run.attention_ranks))].clone())
-            for a in range(run.attention_ranks)]
-    jobs += [("ffn", f, None) for f in range(run.ffn_ranks)]
+    jobs = [("attention", a, hidden_states[slice(*token_range(a, num_tokens, attention_ranks))].clone())
+            for a in range(attention_ranks)]
+    jobs += [("ffn", f, None) for f in range(ffn_ranks)]
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    workers = [context.Process(target=_child_main, args=(role, i, run, x, results), daemon=True)
+    workers = [context.Process(target=_child_main, args=(role, i, runs, x, results), daemon=True)
                for role, i, x in jobs]
     for worker in workers:
         worker.start()
-    collected: dict[tuple[str, int], object] = {}
+    collected: dict[tuple[int, str, int], object] = {}
     try:
         deadline = time.monotonic() + CHILD_DEADLINE_SECONDS
-        while len(collected) < len(jobs):
+        while len(collected) < len(jobs) * len(runs):
             try:
-                status, role, index, payload = results.get(timeout=0.5)
+                status, number, role, index, payload = results.get(timeout=0.5)
             except queue.Empty:
                 dead = [w for w in workers if w.exitcode not in (None, 0)]
                 if dead:
                     raise SelfCheckError(f"a rank process exited with status {dead[0].exitcode} without a result")
                 if time.monotonic() > deadline:
-                    raise SelfCheckError(f"ranks did not finish within {CHILD_DEADLINE_SECONDS}s")
+                    raise SelfCheckError(f"ranks made no progress within {CHILD_DEADLINE_SECONDS}s")
                 continue
             if status == "error":
-                raise SelfCheckError(f"{role} rank {index} failed:\n{payload}")
-            collected[(role, index)] = payload
+                prefix = f"run {number + 1} of {len(runs)}: " if len(runs) > 1 else ""
+                failures = [f"{role} rank {index} failed:\n{payload}"] + _more_failures(results)
+                raise SelfCheckError(prefix + "\n".join(failures))
+            collected[(number, role, index)] = payload
+            deadline = time.monotonic() + CHILD_DEADLINE_SECONDS
     finally:
         _reap(workers)
+    return [_run_result(run, spec, num_tokens,
+                        [collected[(number, "attention", a)] for a in range(attention_ranks)],
+                        [collected[(number, "ffn", f)] for f in range(ffn_ranks)])
+            for number, (run, spec) in enumerate(zip(runs, specs))]
 
-    attention = [collected[("attention", a)] for a in range(run.attention_ranks)]
-    ffn = [collected[("ffn", f)] for f in range(run.ffn_ranks)]
+
+def _more_failures(results) -> list[str]:
+    failures, until = [], time.monotonic() + FAILURE_REPORTS_SECONDS
+    while time.monotonic() < until:
+        try:
+            status, _, role, index, payload = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if status == "error":
+            failures.append(f"{role} rank {index} failed:\n{payload}")
+    return failures
+
+
+def _run_result(run: RunSpec, spec, num_tokens: int, attention: list[AttentionResult],
+                ffn: list[FFNResult]) -> RunResult:
+    planes = {r.data_plane for r in attention + ffn}
+    if len(planes) != 1:
+        raise SelfCheckError(f"the ranks ran different data planes: {sorted(planes)}")
+    for r in attention:
+        for layer, per_step in r.row_count_syncs.items():
+            for step, calls in enumerate(per_step):
+                if calls != 1:
+                    raise SelfCheckError(f"Attention rank {r.rank}: layer {layer} step {step} read the row counts "
+                                         f"on the host {calls} times (expected exactly once)")
     scale = spec.routed_scaling_factor if run.dtype == "float16" else 1.0
     outputs = {}
     for layer in spec.moe_layers:
@@ -223,6 +361,8 @@ def run_topology(run: RunSpec, hidden_states: torch.Tensor) -> RunResult:
         "moe_layers": list(spec.moe_layers),
         "tokens": num_tokens,
         "run": {k: v for k, v in asdict(run).items() if k not in ("host", "port")},
+        "data_plane": planes.pop(),
+        "row_count_syncs_per_layer_step": sorted({n for r in attention for s in r.row_count_syncs.values() for n in s}),
         "bytes_by_kind": bytes_by_kind,
         "shared_tokens_per_ffn_rank": [r.shared_tokens for r in ffn],
         "zero_token_replies": {k: sum(r.zero_token_replies[k] for r in ffn) for k in ("routed", "shared")},
@@ -267,6 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--partition", choices=("affinity", "contiguous"), default="affinity")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--device", default="cpu",
+                        help="device of every rank (cpu, cuda, cuda:i, npu, npu:i; all ranks on this one device)")
+    parser.add_argument("--data-plane", choices=DATA_PLANES, default="auto",
+                        help="the connector's data plane (auto: staged here, as all ranks share one device)")
     parser.add_argument("--report", help="JSON report path")
     parser.add_argument("--port", type=int, default=0,
                         help="loopback rendezvous port (default 0: a free one, picked when the run starts)")
@@ -276,7 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run = RunSpec(model_dir=args.model, attention_ranks=args.attention_ranks, ffn_ranks=args.ffn_ranks,
-                  placement=args.placement, partition=args.partition, dtype=args.dtype, steps=args.steps, port=args.port)
+                  placement=args.placement, partition=args.partition, dtype=args.dtype, steps=args.steps,
+                  device=args.device, data_plane=args.data_plane, port=args.port)
     try:
         hidden_states = _read_inputs(args.inputs)
         result = run_topology(run, hidden_states)
@@ -288,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"selfcheck ok: {len(result.outputs)} MoE layer(s), {hidden_states.shape[0]} tokens, "
           f"{run.attention_ranks}A{run.ffn_ranks}F, placement {run.placement}, partition {run.partition}, "
-          f"dtype {run.dtype}, {run.steps} step(s)")
+          f"dtype {run.dtype}, {run.steps} step(s), device {run.device}, {result.report['data_plane']} data plane")
     return 0
 
 

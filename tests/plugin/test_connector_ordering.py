@@ -110,32 +110,40 @@ class CountingInOrder:
 
 @pytest.mark.parametrize("data_plane", ["staged", "direct"])
 def test_full_exchange_completes_under_in_order_execution(checkpoints, data_plane):
-    """2 Attention x 4 FFN ranks, two MoE layers dispatched as two stages before either is
-    combined, combined in reverse order, steps with 0, 1 and 7 tokens (zero-row payloads)."""
+    """2 Attention x 4 FFN ranks, each MoE layer's tokens dispatched as two stages before either
+    is combined, combined in reverse order, steps with 0, 1 and 7 tokens (zero-row payloads);
+    every FFN rank gathers each (step, layer, stage) of both Attention ranks into one pass."""
     model_dir = checkpoints["deepseek_v3"]
     spec = load_spec(model_dir)
     wrapper = CountingInOrder()
     with ThreadWorld(model_dir, 2, 4, placement="ffn", transport_wrapper=wrapper, data_plane=data_plane) as world:
         assert {c.data_plane for c in world.attention_connectors + world.ffn_connectors} == {data_plane}
+        for runtime in world.runtimes:
+            runtime.gather_window = 30.0  # the first group: above any thread start skew under load
 
-        def rank_step(a, x):
-            pending = {}
-            for stage, (layer, moe) in enumerate(world.layers[a].items()):
-                ids, weights = route(spec, moe.gate, x)
-                pending[layer] = moe.remote.dispatch(x, ids, weights, stage=stage)
-            return {layer: world.layers[a][layer].remote.combine(p) for layer, p in reversed(pending.items())}
+        def rank_step(a, x, step):
+            halves = [x[slice(*token_range(stage, x.shape[0], 2))] for stage in range(2)]
+            outs = {}
+            for layer, moe in world.layers[a].items():
+                pending = [moe.remote.dispatch(half, *route(spec, moe.gate, half), stage=stage, step=step, stages=2)
+                           for stage, half in enumerate(halves)]
+                outs[layer] = torch.cat(list(reversed([moe.remote.combine(p) for p in reversed(pending)])))
+            return outs
 
-        for num_tokens in (0, 1, 7):
+        for step, num_tokens in enumerate((0, 1, 7)):
             x = torch.randn(num_tokens, spec.hidden_size)
             parts = [x[slice(*token_range(a, num_tokens, 2))] for a in range(2)]
-            outs = run_threads([lambda a=a: rank_step(a, parts[a]) for a in range(2)], timeout=60)
+            outs = run_threads([lambda a=a: rank_step(a, parts[a], step) for a in range(2)], timeout=60)
             got = {layer: torch.cat([o[layer] for o in outs]) for layer in spec.moe_layers}
             if num_tokens:
                 assert_matches_oracle(got, oracle_outputs(model_dir, x, "float32", spec.moe_layers), "float32")
             else:
                 assert all(out.shape == (0, spec.hidden_size) for out in got.values())
         served = sum(r.items_served for r in world.runtimes)
-    assert served == 3 * 2 * 4 * len(spec.moe_layers)  # every FFN rank answered every dispatch
+        passes = [(r.expert_passes, dict(r.pass_peers)) for r in world.runtimes]
+    assert served == 3 * 2 * 2 * 4 * len(spec.moe_layers)  # every FFN rank answered every dispatch
+    groups = 3 * 2 * len(spec.moe_layers)  # (step, layer, stage)
+    assert passes == [(groups, {2: groups})] * 4
     assert len(wrapper.transports) == 4 * 6  # four process groups per rank, all in order
     assert all(t.lanes.executed for t in wrapper.transports)
 

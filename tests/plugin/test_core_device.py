@@ -37,7 +37,7 @@ class RecordingConnector:
         self.dispatched: list[list] = []
         self._replies: list = []
 
-    def dispatch(self, layer, stage, payloads):
+    def dispatch(self, layer, stage, payloads, *, step=None, stages=1):
         self.dispatched.append(payloads)
         replies = [torch.ones(p.routed_rows + p.shared_rows, self.hidden_size, dtype=self.dtype, device=p.rows.device)
                    for p in payloads]

@@ -36,13 +36,20 @@ def test_device_check_names_a_bad_argument():
 
 
 def test_device_check_passes_on_the_cpu():
+    """Step 1 is the real selfcheck: rank processes and the P2PConnector, whose auto rule
+    picks the staged plane for ranks sharing a device; step 2 the timing table."""
     proc = run([str(REPO / "scripts/device-check.sh"), "--device", "cpu", "--attention-ranks", "2", "--ffn-ranks",
-                "4", "--tokens", "9", "--steps", "2", "--timing-tokens", "1", "4", "--repeats", "1"])
+                "2", "--tokens", "9", "--steps", "2", "--timing-tokens", "1", "4", "--repeats", "1"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    checked = [line for line in lines if "ok, max relative error" in line]
-    assert len(checked) == 3 * 3  # placements/partitions x dtypes
-    assert all("1 row-count sync per layer step" in line for line in checked)
+    assert lines[0] == ("self-check on cpu: 2 Attention + 2 FFN rank processes on one device, real P2PConnector, "
+                        "9 tokens, 2 steps")
+    checked = [line.split() for line in lines if "ok, max relative error" in line]
+    assert [row[:3] for row in checked] == [[placement, partition, dtype]
+                                           for placement, partition in [("ffn", "affinity"), ("ffn", "contiguous"),
+                                                                        ("attention", "affinity")]
+                                           for dtype in ("float32:", "bfloat16:", "float16:")]
+    assert all(" ".join(row[-9:]) == "staged data plane, 1 row-count sync per layer step" for row in checked)
     assert lines[-1] == "device-check ok"
     timing_rows = lines[lines.index(next(l for l in lines if l.startswith("    T"))) + 1:-1]
     assert [row.split()[0] for row in timing_rows] == ["1", "4"]

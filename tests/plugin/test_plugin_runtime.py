@@ -2,6 +2,8 @@
 
 import dataclasses
 import multiprocessing
+from contextlib import contextmanager
+import subprocess
 import threading
 import time
 import urllib.error
@@ -22,7 +24,9 @@ from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
 from afd_shared_experts.metrics import ProbeServer
 from afd_shared_experts.model import (CheckpointReader, load_attention_weights, load_ffn_weights, load_spec,
                                       tensor_bytes)
+from afd_shared_experts.selfcheck import token_range
 from afd_shared_experts.tp import all_gather_and_trim, shard_tokens
+from afd_shared_experts.trace import TRACE_DIR_ENV, read_traces
 from plugin_harness import (DelayedCompletionTransport, ThreadWorld, assert_matches_oracle,
                             attention_rank_that_idles, ffn_rank_that_serves, make_connector, oracle_outputs,
                             rss_bytes, run_threads)
@@ -67,29 +71,35 @@ def test_padding_rows_are_never_dispatched(checkpoints):
     assert routed == 5 * spec.top_k * spec.hidden_size * 4
 
 
-def test_stages_complete_out_of_order_and_pair_correctly(checkpoints):
-    model_dir = checkpoints["deepseek_v2"]
+@contextmanager
+def one_attention_rank_served(model_dir):
+    """1 Attention x 1 FFN rank (placement ffn), the FFN runtime serving: yields (spec, the
+    Attention connector, the Attention weights, the runtime)."""
     spec, (attention, ffn) = connectors(model_dir, 1, 1)
-    weights = load_attention_weights(model_dir, spec, "ffn", torch.float32)
     runtime = FFNRuntime(ffn, torch_experts(load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32))).start()
     try:
-        xs = [torch.randn(6, spec.hidden_size), torch.randn(9, spec.hidden_size)]
-        remotes, pendings = [], []
-        for stage, layer in enumerate(spec.moe_layers):
-            remote = RemoteMoE(spec=spec, layer=layer, connector=attention, num_ffn_ranks=1, placement="ffn",
-                               partition="affinity", dtype=torch.float32)
-            ids, w = route(spec, weights[layer].gate, xs[stage])
-            remotes.append(remote)
-            pendings.append(remote.dispatch(xs[stage], ids, w, stage=stage))
-        outs = {layer: remotes[stage].combine(pendings[stage]) for stage, layer in reversed(list(enumerate(spec.moe_layers)))}
-        for stage, layer in enumerate(spec.moe_layers):
-            expected = oracle_outputs(model_dir, xs[stage], "float32", [layer])
-            assert_matches_oracle({layer: outs[layer]}, expected, "float32")
-        assert attention.pending_dispatches() == 0
+        yield spec, attention, load_attention_weights(model_dir, spec, "ffn", torch.float32), runtime
     finally:
         attention.close()
         runtime.join(10)
         ffn.close()
+
+
+def test_stages_complete_out_of_order_and_pair_correctly(checkpoints):
+    """Both stages of each layer dispatched before either is combined, combined stage 1 first."""
+    model_dir = checkpoints["deepseek_v2"]
+    with one_attention_rank_served(model_dir) as (spec, attention, weights, runtime):
+        xs = [torch.randn(6, spec.hidden_size), torch.randn(9, spec.hidden_size)]
+        for layer in spec.moe_layers:
+            remote = RemoteMoE(spec=spec, layer=layer, connector=attention, num_ffn_ranks=1, placement="ffn",
+                               partition="affinity", dtype=torch.float32)
+            pendings = [remote.dispatch(x, *route(spec, weights[layer].gate, x), stage=stage, stages=2)
+                        for stage, x in enumerate(xs)]
+            outs = {stage: remote.combine(pendings[stage]) for stage in (1, 0)}
+            for stage, x in enumerate(xs):
+                assert_matches_oracle({layer: outs[stage]}, oracle_outputs(model_dir, x, "float32", [layer]), "float32")
+        assert attention.pending_dispatches() == 0
+        assert runtime.expert_passes == 2 * len(spec.moe_layers)
 
 
 def test_reply_that_answers_another_dispatch_is_an_error(checkpoints):
@@ -118,14 +128,19 @@ def test_reply_that_answers_another_dispatch_is_an_error(checkpoints):
         ffn.close()
 
 
-def test_work_is_served_in_arrival_order_across_attention_ranks(checkpoints):
+def test_work_of_every_attention_rank_is_served_in_one_pass_whatever_the_arrival_order(checkpoints):
     model_dir = checkpoints["deepseek_v3"]
     spec = load_spec(model_dir)
-    served = []
     with ThreadWorld(model_dir, 3, 1, placement="ffn") as world:
-        runtime = world.runtimes[0]
-        original = runtime.process
-        runtime.process = lambda item: (served.append(item.source), original(item))[1]
+        runtime, connector = world.runtimes[0], world.ffn_connectors[0]
+        original = connector._take_work  # looked up per header, also by a receive already waiting
+        arrived = []
+
+        def take_work(source, header):
+            arrived.append(source)
+            return original(source, header)
+
+        connector._take_work = take_work
         layer = spec.moe_layers[0]
         xs = {a: torch.randn(3 + a, spec.hidden_size) for a in range(3)}
         outs, threads = {}, []
@@ -133,11 +148,12 @@ def test_work_is_served_in_arrival_order_across_attention_ranks(checkpoints):
             thread = threading.Thread(target=lambda a=a: outs.__setitem__(a, world.layers[a][layer].forward(xs[a])))
             thread.start()
             threads.append(thread)
-            while len(served) < len(threads):  # next rank dispatches only after this one arrived
+            while len(arrived) < len(threads):  # next rank dispatches only after this one arrived
                 time.sleep(0.001)
         for thread in threads:
             thread.join(20)
-    assert served == [2, 0, 1]
+        assert runtime.expert_passes == 1 and runtime.pass_peers == {3: 1}
+    assert arrived[:3] == [2, 0, 1]  # then their shutdown notices
     for a, x in xs.items():
         assert_matches_oracle({layer: outs[a]}, oracle_outputs(model_dir, x, "float32", [layer]), "float32")
 
@@ -187,6 +203,44 @@ def test_close_after_partial_init_is_safe():
     connector.close()
     with pytest.raises(ConnectorClosedError):
         connector.receive_work()
+
+
+def test_a_rank_waiting_since_before_rank_0_joins_within_its_window():
+    """The FFN servers retry the rendezvous until the Attention head hosts the store. A rank whose
+    previous attempt just expired must still join well inside rank 0's window; a TCPStore client
+    that found nobody listening sleeps a random backoff of about its timeout (the cause of a CI
+    failure: 17.8 s against rank 0's 15 s window)."""
+    spec = SimpleNamespace(hidden_size=8, local_experts=lambda ffn_ranks: 2)
+    port = free_port()
+    joined = {}
+    give_up = time.monotonic() + 25
+
+    def ffn_rank_retrying():
+        while time.monotonic() < give_up:
+            connector = make_connector(spec, "ffn", 1, 1, 1, port, timeout=6)
+            try:
+                connector.init()
+                joined["ffn"] = time.monotonic()
+                return connector
+            except PeerLostError:
+                connector.close()
+                time.sleep(0.5)
+        raise AssertionError("the FFN rank never joined")
+
+    def attention_rank_after_first_attempt_expired():
+        time.sleep(6.2)
+        joined["attention_started"] = time.monotonic()
+        connector = make_connector(spec, "attention", 0, 1, 1, port, timeout=3)
+        connector.init()
+        return connector
+
+    made = run_threads([ffn_rank_retrying, attention_rank_after_first_attempt_expired], timeout=30)
+    try:
+        assert all(c.is_initialized for c in made)
+        assert joined["ffn"] - joined["attention_started"] < 3
+    finally:
+        for connector in made:
+            connector.close()
 
 
 def test_killed_ffn_rank_fails_attention_within_timeout(checkpoints):
@@ -372,3 +426,110 @@ def test_tensor_parallel_shard_and_gather(checkpoints, num_tokens):
 def test_npu_request_without_torch_npu_fails_fast():
     with pytest.raises(DeviceUnavailableError, match="torch_npu/CANN cannot be loaded"):
         resolve_device("npu")
+
+
+# The first group waits this long for ranks that have sent nothing yet: far above the start
+# skew of rank threads on a loaded machine (1 s was exceeded at load 9 on 2 cores), so a
+# partial group in these tests is a bug, not a slow thread.
+UNHURRIED_GATHER_WINDOW = 30.0
+
+
+def staged_step(world, a, x, *, step, stages):
+    """Attention rank a's forward of every MoE layer with its tokens in ``stages`` micro-batches,
+    all dispatched before the first combine, as the micro-batch schedule runs them."""
+    parts = [x[slice(*token_range(s, x.shape[0], stages))] for s in range(stages)]
+    outs = {}
+    for layer, moe in world.layers[a].items():
+        pendings = [moe.remote.dispatch(part, *route(world.spec, moe.gate, part), stage=s, step=step, stages=stages)
+                    for s, part in enumerate(parts)]
+        outs[layer] = torch.cat([moe.remote.combine(pending) for pending in pendings])
+    return outs
+
+
+@pytest.mark.parametrize("attention_ranks", [2, 4])
+@pytest.mark.parametrize("ffn_ranks", [1, 2])
+@pytest.mark.parametrize("placement", ["ffn", "attention"])
+def test_one_expert_pass_per_layer_and_stage_however_many_attention_ranks(checkpoints, attention_ranks, ffn_ranks,
+                                                                         placement):
+    """Step 0: one stage, the last Attention rank has no token (header-only work). Step 1: two
+    stages, except the last rank, which has one request and runs one stage."""
+    model_dir = checkpoints["deepseek_v3"]
+    spec = load_spec(model_dir)
+    layers, last = len(spec.moe_layers), attention_ranks - 1
+    steps = [
+        {a: (torch.randn(0 if a == last else 3 + a, spec.hidden_size), 1) for a in range(attention_ranks)},
+        {a: (torch.randn(1, spec.hidden_size), 1) if a == last else (torch.randn(5, spec.hidden_size), 2)
+         for a in range(attention_ranks)},
+    ]
+    with ThreadWorld(model_dir, attention_ranks, ffn_ranks, placement=placement, with_metrics=True) as world:
+        for runtime in world.runtimes:
+            runtime.gather_window = UNHURRIED_GATHER_WINDOW
+        for step, inputs in enumerate(steps):
+            outs = run_threads([lambda a=a: staged_step(world, a, inputs[a][0], step=step, stages=inputs[a][1])
+                                for a in range(attention_ranks)], timeout=60)
+            got = {layer: torch.cat([o[layer] for o in outs]) for layer in spec.moe_layers}
+            x = torch.cat([inputs[a][0] for a in range(attention_ranks)])
+            assert_matches_oracle(got, oracle_outputs(model_dir, x, "float32", spec.moe_layers), "float32")
+        for runtime in world.runtimes:
+            # Per FFN rank: step 0 one pass per layer over every rank, step 1 stage 0 over every
+            # rank and stage 1 over all but the last.
+            assert runtime.partial_groups == 0
+            assert runtime.expert_passes == 3 * layers
+            assert runtime.pass_peers == {attention_ranks: 2 * layers, attention_ranks - 1: layers}
+            assert runtime.items_served == layers * (3 * attention_ranks - 1)
+            exposition = runtime.metrics.exposition().decode()
+            assert f'afd_ffn_expert_passes_total{{stage="0"}} {2.0 * layers}' in exposition
+            assert f'afd_ffn_expert_passes_total{{stage="1"}} {1.0 * layers}' in exposition
+            assert f"afd_ffn_expert_pass_peers_count {3.0 * layers}" in exposition
+            assert f"afd_ffn_expert_pass_peers_sum {layers * (3.0 * attention_ranks - 1)}" in exposition
+    lint = subprocess.run(["promtool", "check", "metrics"], input=exposition, capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def test_trace_records_both_sides_of_every_stage(checkpoints, tmp_path, monkeypatch):
+    """AFD_TRACE_DIR: per (step, layer, stage) one FFN expert pass over both Attention ranks'
+    rows, after both dispatches started and before either combine wait ended (one clock)."""
+    monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path))
+    model_dir = checkpoints["qwen2_moe"]
+    spec = load_spec(model_dir)
+    with ThreadWorld(model_dir, 2, 1, placement="ffn") as world:
+        world.runtimes[0].gather_window = UNHURRIED_GATHER_WINDOW
+        for step in range(2):
+            run_threads([lambda a=a: staged_step(world, a, torch.randn(4 + a, spec.hidden_size), step=step, stages=2)
+                         for a in range(2)], timeout=60)
+    intervals = read_traces(tmp_path)
+    by_kind = {}
+    for interval in intervals:
+        key = (interval["step"], interval["layer"], interval["stage"])
+        by_kind.setdefault(interval["kind"], {}).setdefault(key, []).append(interval)
+    groups = [(step, layer, stage) for step in range(2) for layer in spec.moe_layers for stage in range(2)]
+    assert sorted(by_kind["expert_pass"]) == groups
+    for key in groups:
+        (expert_pass,) = by_kind["expert_pass"][key]
+        dispatches, waits = by_kind["dispatch"][key], by_kind["combine_wait"][key]
+        assert sorted(d["rank"] for d in dispatches) == sorted(w["rank"] for w in waits) == [0, 1]
+        assert expert_pass["peers"] == 2 and expert_pass["rows"] == sum(d["rows"] for d in dispatches) > 0
+        assert expert_pass["start_ns"] >= max(d["start_ns"] for d in dispatches)
+        assert expert_pass["end_ns"] <= min(w["end_ns"] for w in waits)
+        assert len(by_kind["reply"][key]) == len(by_kind["combine"][key]) // 2 == 1
+    assert all(i["wall_ns"] > 0 and i["end_ns"] >= i["start_ns"] for i in intervals)
+
+
+def test_connector_counts_steps_when_the_caller_names_none(checkpoints):
+    with one_attention_rank_served(checkpoints["deepseek_v2"]) as (spec, attention, weights, runtime):
+        x = torch.randn(3, spec.hidden_size)
+        remotes = {layer: RemoteMoE(spec=spec, layer=layer, connector=attention, num_ffn_ranks=1, placement="ffn",
+                                    partition="affinity", dtype=torch.float32) for layer in spec.moe_layers}
+        steps = []
+        for step_stages in (1, 1, 2):  # a layer not above the previous stage-0 layer starts a step
+            for layer, remote in remotes.items():
+                pendings = [remote.dispatch(x, *route(spec, weights[layer].gate, x), stage=stage, stages=step_stages)
+                            for stage in range(step_stages)]
+                steps += [(p.ticket.step, p.ticket.layer, p.ticket.stage) for p in pendings]
+                [remote.combine(p) for p in pendings]
+        explicit = remotes[spec.moe_layers[0]].dispatch(x, *route(spec, weights[spec.moe_layers[0]].gate, x), step=9)
+        remotes[spec.moe_layers[0]].combine(explicit)
+    first, second = spec.moe_layers
+    assert steps == [(0, first, 0), (0, second, 0), (1, first, 0), (1, second, 0),
+                     (2, first, 0), (2, first, 1), (2, second, 0), (2, second, 1)]
+    assert explicit.ticket.step == 9 and runtime.expert_passes == 9

@@ -29,12 +29,12 @@ def processes_with_tag(tag: str) -> list[int]:
     return found
 
 
-def run_selfcheck(tmp_path, model_dir, tokens, *args):
+def run_selfcheck(tmp_path, model_dir, tokens, *args, env_extra=None):
     inputs, out, report = tmp_path / "in.safetensors", tmp_path / "out.safetensors", tmp_path / "report.json"
     x = torch.randn(tokens, load_spec(model_dir).hidden_size, generator=torch.Generator().manual_seed(tokens))
     save_file({"hidden_states": x}, str(inputs))
     tag = f"AFD_SELFCHECK_TEST_{uuid.uuid4().hex}"
-    env = {**os.environ, tag: "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, tag: "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
     proc = subprocess.run([sys.executable, "-m", "afd_shared_experts.selfcheck", "--model", str(model_dir),
                            "--inputs", str(inputs), "--out", str(out), "--report", str(report),
                            "--port", str(free_port()), *args],
@@ -43,19 +43,21 @@ def run_selfcheck(tmp_path, model_dir, tokens, *args):
     return proc, x, out, report
 
 
-@pytest.mark.parametrize("model,args", [
+# Every case runs on --device cpu (the default where not named); the data plane is forced
+# staged, forced direct, or left to auto, which picks staged for ranks sharing a device (CPU).
+@pytest.mark.parametrize("model,args,data_plane", [
     ("deepseek_v3", ["--attention-ranks", "3", "--ffn-ranks", "2", "--placement", "ffn", "--partition", "affinity",
-                     "--steps", "3"]),
+                     "--steps", "3", "--device", "cpu", "--data-plane", "staged"], "staged"),
     ("qwen2_moe", ["--attention-ranks", "2", "--ffn-ranks", "4", "--placement", "ffn", "--partition", "contiguous",
-                   "--dtype", "bfloat16", "--steps", "2"]),
+                   "--dtype", "bfloat16", "--steps", "2", "--data-plane", "direct"], "direct"),
     ("deepseek_v2_group_limited", ["--attention-ranks", "4", "--ffn-ranks", "1", "--placement", "attention",
-                                   "--dtype", "float16"]),
-])
-def test_selfcheck_matches_oracle(tmp_path, checkpoints, model, args):
+                                   "--dtype", "float16"], "staged"),
+], ids=["staged-forced", "direct-forced", "auto"])
+def test_selfcheck_matches_oracle(tmp_path, checkpoints, model, args, data_plane):
     model_dir = checkpoints[model]
     proc, x, out, report_path = run_selfcheck(tmp_path, model_dir, 7, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "selfcheck ok" in proc.stdout
+    assert f"device cpu, {data_plane} data plane" in proc.stdout
     spec = load_spec(model_dir)
     dtype = args[args.index("--dtype") + 1] if "--dtype" in args else "float32"
     with safe_open(str(out), framework="pt") as f:
@@ -64,6 +66,9 @@ def test_selfcheck_matches_oracle(tmp_path, checkpoints, model, args):
     assert_matches_oracle(actual, oracle_outputs(model_dir, x, dtype, spec.moe_layers), dtype)
 
     report = json.loads(report_path.read_text())
+    assert report["data_plane"] == data_plane  # the plane the ranks agreed on and ran
+    assert report["run"]["device"] == "cpu"
+    assert report["row_count_syncs_per_layer_step"] == [1]  # counted in every Attention rank, layer and step
     steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 1
     ffn_ranks = int(args[args.index("--ffn-ranks") + 1])
     assert len(report["wall_time_per_step_seconds"]) == steps
@@ -89,6 +94,24 @@ def test_selfcheck_names_a_bad_port(tmp_path, checkpoints):
                              "--port", "70000")
     assert proc.returncode == 1
     assert "--port must be 0 (pick a free one) or 1-65535 (got 70000)" in proc.stderr
+
+
+@pytest.mark.parametrize("device,message", [
+    ("npu", "--device 'npu': device 'npu' requested but torch_npu/CANN cannot be loaded: the torch-npu package is "
+            "not installed"),
+    ("cuda", "--device 'cuda': device 'cuda' requested but torch.cuda.is_available() is False"),
+    ("cuda:1", "--device 'cuda:1': device 'cuda' requested but torch.cuda.is_available() is False"),
+    ("tpu", "--device 'tpu': "),
+])
+def test_selfcheck_names_an_unusable_device_before_any_rank_starts(tmp_path, checkpoints, device, message):
+    """No CUDA (hidden) and no torch-npu in the dev venv: exit 1 naming the flag, no output
+    written, no rank process started or left."""
+    proc, _, out, report = run_selfcheck(tmp_path, checkpoints["deepseek_v2"], 5, "--attention-ranks", "1",
+                                         "--ffn-ranks", "2", "--device", device,
+                                         env_extra={"CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 1
+    assert f"selfcheck failed: {message}" in proc.stderr
+    assert "rank" not in proc.stderr and not out.exists() and not report.exists()
 
 
 def test_selfcheck_fails_cleanly_when_a_rank_fails(tmp_path, checkpoints):

@@ -188,9 +188,28 @@ def restarted(afd_serve, model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data_parallel_2(model, tmp_path_factory):
-    """AFD with Attention data parallel 2 (two engine cores, Attention ranks 0 and 1) + 2 FFN servers."""
+    """AFD with Attention data parallel 2 (two engine cores, Attention ranks 0 and 1) + 2 FFN
+    servers; then torn down as the operator does: SIGTERM to the `vllm serve` process only (the
+    kubelet signals a container's first process), with the --shutdown-timeout the operator
+    renders; the FFN servers are left to end by themselves."""
+    logdir = tmp_path_factory.mktemp("dp2")
     block = afd_block("attention", port=free_port(), attention_ranks=2)
-    return serve_completions(model, tmp_path_factory.mktemp("dp2"), block=block, data_parallel=2)
+    api_port = free_port()
+    servers = start_ffn_servers(model, block, logdir)
+    procs = [proc for proc, _ in servers]
+    try:
+        api = start_vllm_serve(model, api_port, logdir, "attention", block=block, data_parallel=2,
+                               extra_args=("--shutdown-timeout", "15"))
+        procs.append(api)
+        wait_serving(api, api_port, procs[:-1])
+        result = {"completions": completions(api_port), "ffn_ready": [http_status(port, "/ready") for _, port in servers]}
+        api.signal(signal.SIGTERM)
+        result["attention_exit"] = api.wait(60)
+        result["ffn_exits"] = [proc.wait(60) for proc, _ in servers]
+        result["ffn_logs"] = [proc.log() for proc, _ in servers]
+        return result
+    finally:
+        stop_all(procs)
 
 
 def test_vllm_console_script_starts_on_the_cpu_wheel():
@@ -251,6 +270,16 @@ def test_attention_data_parallel_2_answers_like_plain_vllm(data_parallel_2, refe
     # An FFN server is ready only once the whole 2 + 2 world joined: both engine cores are in.
     assert data_parallel_2["ffn_ready"] == [200, 200]
     assert text_and_ids(data_parallel_2["completions"]) == text_and_ids(reference)
+
+
+def test_ffn_servers_end_with_exit_0_after_the_attention_side_is_terminated(data_parallel_2):
+    # Each Attention rank's worker exits normally and sends its shutdown notice (vLLM's default
+    # --shutdown-timeout 0 force-kills the workers: the FFN servers then fail on a closed
+    # connection, as the real node showed).
+    assert data_parallel_2["attention_exit"] == 0
+    assert data_parallel_2["ffn_exits"] == [0, 0], [log[-3000:] for log in data_parallel_2["ffn_logs"]]
+    for log in data_parallel_2["ffn_logs"]:
+        assert "every Attention rank shut down" in log
 
 
 def test_attention_rank_metrics_are_served_on_vllms_metrics(afd_serve, model):

@@ -161,6 +161,14 @@ class Proc:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def failure_excerpt(self) -> str:
+        """The first error line with what follows it, then the log's end: vLLM reports the root
+        cause of a failed start long before the traceback it ends with."""
+        text = self.log()
+        first = min((i for i in (text.find("Traceback"), text.find(" ERROR ")) if i >= 0), default=-1)
+        head = f"{text[first:first + 3000]}\n[...]\n" if 0 <= first < len(text) - 3000 else ""
+        return head + text[-3000:]
+
     def signal(self, sig: int) -> None:
         if self.popen.poll() is None:
             self.popen.send_signal(sig)
@@ -188,15 +196,17 @@ SERVE_ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len",
 
 
 def start_vllm_serve(model: Path, api_port: int, logdir: Path, name: str, *, block: dict | None = None,
-                     data_parallel: int = 1, tensor_parallel: int = 1) -> Proc:
+                     data_parallel: int = 1, tensor_parallel: int = 1, extra_args: tuple[str, ...] = ()) -> Proc:
     """`vllm serve` (the real console script) on 127.0.0.1:api_port, parallel flags and the
-    head's metrics directory as the operator renders them; `block` is the afd config (None: plain vLLM)."""
+    head's metrics directory as the operator renders them (plus `extra_args`); `block` is the
+    afd config (None: plain vLLM)."""
     argv = [vllm_console_script(), "serve", str(model), "--host", "127.0.0.1", "--port", str(api_port),
             *SERVE_ENGINE_ARGS, "--tensor-parallel-size", str(tensor_parallel), "--data-parallel-size", str(data_parallel),
             "--data-parallel-size-local", str(data_parallel), "--data-parallel-address", "127.0.0.1",
             "--data-parallel-rpc-port", str(free_port())]
     if block is not None:
         argv += ["--load-format", "afd", "--additional-config", json.dumps(block)]
+    argv += list(extra_args)
     metrics_dir = logdir / f"{name}-prometheus"
     metrics_dir.mkdir()
     return Proc(argv, logdir / f"{name}.log", base_env(PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)))
@@ -241,7 +251,7 @@ def wait_until(predicate, timeout: float, what: str, procs: list[Proc] = ()) -> 
         for proc in procs:
             if proc.popen.poll() is not None:
                 raise AssertionError(f"{what}: {proc.log_path.name} exited with {proc.popen.returncode}:\n"
-                                     f"{proc.log()[-4000:]}")
+                                     f"{proc.failure_excerpt()}")
         time.sleep(0.5)
     raise AssertionError(f"{what}: not within {timeout}s")
 

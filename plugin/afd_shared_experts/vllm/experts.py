@@ -15,8 +15,8 @@ the plugin's and a model without an ``afd`` block is built exactly as upstream b
 
 from __future__ import annotations
 
-import atexit
 import logging
+import multiprocessing.util
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -70,8 +70,11 @@ class AttentionRank:
         logger.info("AFD Attention rank %d of %d (+%d FFN ranks): rendezvous at %s:%d",
                     self.rank, cfg.num_attention_ranks, cfg.num_ffn_ranks, cfg.host, cfg.port)
         self.connector.init()
-        # Tells the FFN servers this rank is done, so they end cleanly with the engine.
-        atexit.register(self.connector.close)
+        # Tells the FFN servers this rank is done, so they end cleanly with the engine. Not
+        # atexit: vLLM's workers are forked multiprocessing children, which leave through
+        # os._exit after running multiprocessing's own exit finalizers (these), never atexit.
+        # They run only if vLLM lets its workers exit: --shutdown-timeout > 0 (the operator sets it).
+        multiprocessing.util.Finalize(None, self.connector.close, exitpriority=10)
 
 
 _attention_rank: AttentionRank | None = None

@@ -1,0 +1,444 @@
+"""An AFDDeployment served for real on the real node (docs/testbed.md, "Real node"). In order:
+
+1. a tiny DeepSeek-V2 checkpoint on a hostPath; `kubectl apply` of an AFDDeployment with
+   Attention DP 2 over two pods and 2 FFN ranks in one pod (shared experts on the FFN side):
+   the operator (a pod, installed by the chart) creates the pods, kubelet runs them in the
+   built runtime image, they turn Ready through their own probes, and a completion sent to
+   the API Service's ClusterIP (kube-proxy) equals plain vLLM's (same image, same checkpoint);
+4. Prometheus (Debian's), discovering targets from the real API, scrapes the operator, the FFN
+   pod and the Attention head; the chart's dashboard queries return data;
+2. a bounded load generator runs against the Service while the AFDDeployment rolls to a new
+   topology (Attention DP 2 -> 1, FFN 2 ranks in one pod -> 4 over two pods), then to a new image
+   tag with the operator pod deleted mid-rollout: no request fails and no connector world ever
+   holds pods of two revisions;
+3. faults under load: an FFN container killed, an Attention pod deleted: the instance is
+   recreated and serving returns; every failed request is counted and reported;
+5. `kubectl delete`: the operator drains and tears down; no pod, container or Service rule is left.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from afd_devcluster.prometheus import prometheus_server, query
+from afd_devcluster.realnode import RealNode
+from afd_devcluster.realnode.images import RUNTIME_CPU_IMAGE, retag
+from afd_devcluster.realnode.prometheus_sd import TargetFeed, scrape_jobs
+from afd_devcluster.realnode.scenario import (RELEASE_NAMESPACE, afd_pods, apply, complete, delete_afd, get_afd,
+                                              is_ready, pods, wait_serving, write_tiny_checkpoint)
+from afd_devcluster.tools import wait_for
+
+NAMESPACE = "afd-e2e"
+NAME = "tiny"
+MOUNT = "/models"
+MODEL_DIR = "tiny-deepseek-v2"
+READY_TIMEOUT_SECONDS = 900
+API_PORT = 8000
+VLLM_ENV = [{"name": "VLLM_MLA_DISABLE", "value": "1"}]
+# Two revisions run side by side during a roll; on these 2-core, 23 GB machines that must fit
+# in 16 GB. vLLM's CPU KV cache defaults to 4 GiB per engine; the tiny model needs a few MiB.
+KV_CACHE_ARGS = ["--kv-cache-memory-bytes", "64M"]
+ENGINE_ARGS = ["--enforce-eager", *KV_CACHE_ARGS]
+# What the whole scenario (node, operator, both revisions) may use of the host's memory (issue 13).
+MEMORY_LIMIT_GIB = 16
+# The roll's target: both role counts change, FFN pods of several ranks over two pods. A wider
+# target (DP 3, FFN 4) peaked above 20 GB with the old revision still serving: the node then
+# evicted page cache, stalled and probes timed out (measured; docs/testbed.md).
+ROLLED_TOPOLOGY = {"data_parallel": 1, "ffn_ranks": 4}
+ROLLED_IMAGE = RUNTIME_CPU_IMAGE.rsplit(":", 1)[0] + ":rolled"
+LABEL = "afd.inference.dev/"
+SMALL = {"resources": {"requests": {"cpu": "100m", "memory": "512Mi"}}}
+DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "afd-operator" / "dashboards" / "afd.json"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(real_node: RealNode) -> Path:
+    """The tiny DeepSeek-V2 checkpoint the vLLM tests use, on a host folder pods mount by hostPath."""
+    host_dir = real_node.state / "models"
+    write_tiny_checkpoint(host_dir / MODEL_DIR)
+    return host_dir
+
+
+@pytest.fixture(scope="module")
+def namespace(real_node: RealNode) -> Iterator[str]:
+    real_node.kubectl("create", "namespace", NAMESPACE)
+    yield NAMESPACE
+    real_node.kubectl("delete", "afd", "--all", "-n", NAMESPACE, "--timeout=300s", check=False)
+    real_node.kubectl("delete", "namespace", NAMESPACE, "--timeout=300s", check=False)
+
+
+@pytest.fixture(scope="module")
+def plain_vllm(real_node: RealNode, project_images: dict, checkpoint: Path, namespace: str) -> dict:
+    """Plain `vllm serve` (no afd block) in the same image, as a pod: the reference completion."""
+    pod = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "plain-vllm", "namespace": namespace},
+        "spec": {
+            "containers": [{
+                "name": "vllm", "image": RUNTIME_CPU_IMAGE,
+                "command": ["vllm", "serve", f"{MOUNT}/{MODEL_DIR}", "--served-model-name", NAME,
+                            "--port", str(API_PORT), "--dtype", "float32", "--enforce-eager",
+                            "--max-model-len", "512", "--max-num-batched-tokens", "512", *KV_CACHE_ARGS],
+                "env": VLLM_ENV + [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}],
+                "readinessProbe": {"httpGet": {"path": "/health", "port": API_PORT}, "periodSeconds": 2},
+                "volumeMounts": [{"name": "model", "mountPath": MOUNT, "readOnly": True}],
+                **SMALL}],
+            "volumes": [{"name": "model", "hostPath": {"path": str(checkpoint), "type": "Directory"}}]},
+    }
+    apply(real_node, pod)
+    try:
+        real_node.kubectl("wait", "-n", namespace, "--for=condition=Ready", "pod/plain-vllm", "--timeout=600s",
+                          timeout=620)
+        ip = real_node.kubectl("get", "-n", namespace, "pod", "plain-vllm", "-o",
+                               "jsonpath={.status.podIP}").stdout.strip()
+        return complete(ip, API_PORT, NAME)
+    except Exception:
+        print(real_node.kubectl("logs", "-n", namespace, "plain-vllm", "--tail=60", check=False).stdout)
+        raise
+    finally:
+        real_node.kubectl("delete", "-n", namespace, "pod", "plain-vllm", "--timeout=120s", check=False)
+
+
+def afd_deployment(checkpoint: Path, namespace: str, data_parallel: int = 2, ffn_ranks: int = 2,
+                   image: str = RUNTIME_CPU_IMAGE) -> dict:
+    return {
+        "apiVersion": "afd.inference.dev/v1alpha1", "kind": "AFDDeployment",
+        "metadata": {"name": NAME, "namespace": namespace},
+        "spec": {
+            "replicas": 1, "image": image, "platform": "cpu",
+            "model": {"name": NAME, "path": f"{MOUNT}/{MODEL_DIR}",
+                      "volume": {"hostPath": str(checkpoint), "mountPath": MOUNT},
+                      "routedExperts": 8, "maxModelLen": 512, "maxNumBatchedTokens": 512, "dtype": "float32"},
+            "sharedExperts": {"placement": "ffn"},
+            "attention": {"dataParallel": data_parallel, "tensorParallel": 1, "devicesPerPod": 1,
+                          "engineArgs": ENGINE_ARGS, "env": VLLM_ENV, "podTemplate": SMALL},
+            "ffn": {"ranks": ffn_ranks, "devicesPerPod": 2, "env": VLLM_ENV, "podTemplate": SMALL},
+            "startup": {"timeoutSeconds": READY_TIMEOUT_SECONDS},
+            "termination": {"gracePeriodSeconds": 30, "drainSeconds": 5},
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def served(real_node: RealNode, operator_release, plain_vllm: dict, checkpoint: Path, namespace: str) -> dict:
+    apply(real_node, afd_deployment(checkpoint, namespace))
+    address = wait_serving(real_node, namespace, NAME, READY_TIMEOUT_SECONDS)
+    return {"address": address, "pods": afd_pods(real_node, namespace, NAME)}
+
+
+def test_pods_run_the_planned_topology(served: dict) -> None:
+    roles = sorted(p["metadata"]["labels"]["afd.inference.dev/role"] for p in served["pods"])
+    assert roles == ["attention", "attention", "ffn"]
+    for pod in served["pods"]:
+        (status,) = pod["status"]["containerStatuses"]
+        assert status["ready"] and status["restartCount"] == 0, status
+
+
+def test_completion_through_the_service_equals_plain_vllm(real_node: RealNode, served: dict,
+                                                          plain_vllm: dict) -> None:
+    host, port = served["address"]
+    svc = json.loads(real_node.kubectl("get", "svc", NAME, "-n", NAMESPACE, "-o", "json").stdout)["spec"]
+    assert svc["type"] == "ClusterIP" and svc["clusterIP"] == host
+    # The ClusterIP exists only in kube-proxy's rules: this request goes through them.
+    assert complete(host, port, NAME) == plain_vllm
+
+
+# ---- 4. Prometheus with Kubernetes service discovery ------------------------------------------
+
+@pytest.fixture(scope="module")
+def prometheus(real_node: RealNode, served: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Debian's Prometheus, its targets discovered from the real API (prometheus_sd.py: Debian
+    builds it without kubernetes_sd)."""
+    workdir = tmp_path_factory.mktemp("prometheus")
+    with TargetFeed(real_node) as feed, prometheus_server(
+            {"global": {"scrape_interval": "2s", "scrape_timeout": "2s"},
+             "scrape_configs": scrape_jobs(feed, NAMESPACE, NAME, RELEASE_NAMESPACE)}, workdir) as base:
+        wait_for(lambda: query(base, "up"), "Prometheus with discovered targets", 60, interval=1)
+        yield base
+
+
+def test_prometheus_scrapes_operator_ffn_pod_and_attention_head(prometheus: str, served: dict) -> None:
+    host, port = served["address"]
+    complete(host, port, NAME)  # traffic, so the runtime counters move
+    up = wait_for(lambda: (r := query(prometheus, "up == 1")) and len(r) >= 3 and r,
+                  "the operator, the FFN pod and the Attention head up", 60, interval=2)
+    scraped = {(s["metric"]["job"], s["metric"].get("role", "")) for s in up}
+    assert {("afd-operator", ""), ("afd-pods", "ffn"), ("afd-pods", "attention")} <= scraped, up
+    # The runtime's own series, from each side, through the pods' real ports.
+    wait_for(lambda: query(prometheus, 'afd_tokens_received_total{job="afd-pods",role="ffn"} > 0'),
+             "FFN tokens received", 60, interval=2)
+    wait_for(lambda: query(prometheus, 'afd_tokens_dispatched_total{job="afd-pods",role="attention"} > 0'),
+             "Attention tokens dispatched", 60, interval=2)
+    wait_for(lambda: query(prometheus, 'afd_operator_instances{job="afd-operator",phase="Ready"} > 0'),
+             "the operator's Ready instance gauge", 60, interval=2)
+
+
+def dashboard_queries() -> list[str]:
+    return [t["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"] for t in panel.get("targets", [])]
+
+
+def test_dashboard_queries_return_data(prometheus: str, served: dict) -> None:
+    host, port = served["address"]
+    for _ in range(3):
+        complete(host, port, NAME)
+    # Series that only exist once something went wrong (errors, instance restarts) may be
+    # absent on a healthy deployment; every other query must return data.
+    event_only = ("afd_errors_total", "afd_operator_instance_restarts_total")
+    expected = [q for q in dashboard_queries() if not any(m in q for m in event_only)]
+    assert expected
+    deadline = time.monotonic() + 90
+    missing = expected
+    while missing and time.monotonic() < deadline:
+        time.sleep(3)
+        missing = [q for q in expected if not query(prometheus, q)]
+    assert not missing, f"dashboard queries without data: {missing}"
+    for q in dashboard_queries():
+        query(prometheus, q)  # the event-only ones still evaluate
+
+
+# ---- 2. rolling under load ----------------------------------------------------------------------
+
+class BackgroundLoop:
+    """`step()` repeated on a thread from `with` entry until exit (or until it returns False)."""
+
+    def step(self) -> bool:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and self.step():
+            pass
+
+    def __enter__(self):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(90)
+
+
+@dataclass
+class Load(BackgroundLoop):
+    """Sequential completions against the Service (bounded by `limit`); every outcome counted."""
+
+    host: str
+    port: int
+    limit: int = 3000
+    ok: int = 0
+    failures: list[str] = field(default_factory=list)
+
+    def step(self) -> bool:
+        try:
+            complete(self.host, self.port, NAME, max_tokens=4, timeout=60)
+            self.ok += 1
+        except Exception as exc:
+            self.failures.append(f"{time.strftime('%H:%M:%S')} {type(exc).__name__}: {exc}")
+            time.sleep(0.5)  # a refused connection fails at once: keep sampling, not spinning
+        return self.ok + len(self.failures) < self.limit
+
+
+def meminfo_bytes(key: str) -> int:
+    with open("/proc/meminfo") as meminfo:
+        fields = dict(line.split(":", 1) for line in meminfo)
+    return int(fields[key].split()[0]) * 1024
+
+
+def mem_available_bytes() -> int:
+    return meminfo_bytes("MemAvailable")
+
+
+@dataclass
+class WorldWatch(BackgroundLoop):
+    """The deployment's pods while it runs: for each connector world (instance) the revisions
+    of its pods and any pod wired to another world; a timeline of (time, pod, Ready, serving)
+    changes to read failed requests against; the host's lowest available memory."""
+
+    node: RealNode
+    worlds: dict[str, set[str]] = field(default_factory=dict)
+    cross_wired: list[str] = field(default_factory=list)
+    timeline: list[tuple[str, str, bool, str]] = field(default_factory=list)
+    lowest_available: int = field(default_factory=mem_available_bytes)
+    _last: dict[str, tuple[bool, str]] = field(default_factory=dict)
+
+    def step(self) -> bool:
+        self.lowest_available = min(self.lowest_available, mem_available_bytes())
+        seen = afd_pods(self.node, NAMESPACE, NAME)
+        instances = {p["metadata"]["labels"][LABEL + "instance"] for p in seen}
+        for pod in seen:
+            labels = pod["metadata"]["labels"]
+            state = (is_ready(pod), labels.get(LABEL + "serving", ""))
+            if self._last.get(pod["metadata"]["name"]) != state:
+                self._last[pod["metadata"]["name"]] = state
+                self.timeline.append((time.strftime("%H:%M:%S"), pod["metadata"]["name"], *state))
+            instance = labels[LABEL + "instance"]
+            self.worlds.setdefault(instance, set()).add(labels[LABEL + "revision"])
+            wiring = json.dumps([c.get("command", []) + c.get("args", []) for c in pod["spec"]["containers"]])
+            if instance not in wiring or any(o in wiring for o in instances - {instance}):
+                self.cross_wired.append(pod["metadata"]["name"])
+        time.sleep(1)
+        return True
+
+
+def delete_operator_pod(real_node: RealNode) -> None:
+    real_node.kubectl("delete", "pod", "-n", RELEASE_NAMESPACE, "-l", "app.kubernetes.io/name=afd-operator",
+                      "--wait=false")
+
+
+def roll(real_node: RealNode, manifest: dict, host: str, port: int,
+         mid_rollout=None) -> tuple[Load, WorldWatch, tuple[str, int]]:
+    """Apply `manifest` under load and wait until it serves; `mid_rollout(node)` runs once the
+    first pod of the new revision exists."""
+    with WorldWatch(real_node) as watch, Load(host, port) as load:
+        apply(real_node, manifest)
+        revision = wait_for(lambda: (afd := get_afd(real_node, NAMESPACE, NAME))["status"].get("observedGeneration")
+                            == afd["metadata"]["generation"] and afd["status"]["updateRevision"],
+                            "the roll observed", 60)
+        if mid_rollout is not None:
+            wait_for(lambda: any(p["metadata"]["labels"][LABEL + "revision"] == revision
+                                 for p in afd_pods(real_node, NAMESPACE, NAME)),
+                     "the first pod of the new revision", 120, interval=1)
+            mid_rollout(real_node)
+        address = wait_serving(real_node, NAMESPACE, NAME, READY_TIMEOUT_SECONDS)
+        time.sleep(10)  # requests keep flowing after the old world is gone
+    return load, watch, address
+
+
+def assert_rolled_cleanly(load: Load, watch: WorldWatch) -> None:
+    peak = (meminfo_bytes("MemTotal") - watch.lowest_available) / 2**30
+    after = (meminfo_bytes("MemTotal") - mem_available_bytes()) / 2**30
+    print(f"roll: {load.ok} requests served, {len(load.failures)} failed; host memory in use "
+          f"(MemTotal - MemAvailable): {peak:.1f} GiB at the peak, {after:.1f} GiB after the roll")
+    assert peak < MEMORY_LIMIT_GIB, f"the scenario used {peak:.1f} GiB of host memory (limit {MEMORY_LIMIT_GIB})"
+    assert load.ok > 0 and not load.failures, (load.ok, len(load.failures), load.failures[:3], load.failures[-3:],
+                                               watch.timeline)
+    assert all(len(revisions) == 1 for revisions in watch.worlds.values()) and not watch.cross_wired, \
+        (watch.worlds, watch.cross_wired)
+
+
+def test_rolls_under_load_to_a_new_topology_then_a_new_image(real_node: RealNode, served: dict, checkpoint: Path,
+                                                            plain_vllm: dict) -> None:
+    host, port = served["address"]
+    before = {p["metadata"]["labels"][LABEL + "revision"] for p in served["pods"]}
+
+    load, watch, (host, port) = roll(real_node, afd_deployment(checkpoint, NAMESPACE, **ROLLED_TOPOLOGY), host, port)
+    assert_rolled_cleanly(load, watch)
+    now = afd_pods(real_node, NAMESPACE, NAME)
+    assert sorted(p["metadata"]["labels"][LABEL + "role"] for p in now) == ["attention", "ffn", "ffn"]
+    assert {p["metadata"]["labels"][LABEL + "revision"] for p in now}.isdisjoint(before)
+    assert complete(host, port, NAME) == plain_vllm  # same model, new topology: same greedy text
+
+    retag(real_node, RUNTIME_CPU_IMAGE, ROLLED_IMAGE)
+    operator_before = pods(real_node, RELEASE_NAMESPACE, "app.kubernetes.io/name=afd-operator")
+    load, watch, (host, port) = roll(real_node, afd_deployment(checkpoint, NAMESPACE, **ROLLED_TOPOLOGY,
+                                                              image=ROLLED_IMAGE),
+                                     host, port, mid_rollout=delete_operator_pod)
+    assert_rolled_cleanly(load, watch)
+    operator_after = pods(real_node, RELEASE_NAMESPACE, "app.kubernetes.io/name=afd-operator")
+    assert {p["metadata"]["uid"] for p in operator_after}.isdisjoint(p["metadata"]["uid"] for p in operator_before)
+    assert {c["image"] for p in afd_pods(real_node, NAMESPACE, NAME) for c in p["spec"]["containers"]} == {ROLLED_IMAGE}
+    assert complete(host, port, NAME) == plain_vllm
+
+
+# ---- 3. faults ----------------------------------------------------------------------------------
+
+@dataclass
+class Outage:
+    """What the load generator saw around one fault."""
+
+    fault: str
+    ok: int
+    failures: list[str]
+    recovered_after: float  # seconds from the fault until requests were served again
+
+    def report(self) -> str:
+        return (f"{self.fault}: {self.ok} requests served, {len(self.failures)} failed, serving again "
+                f"{self.recovered_after:.0f}s after the fault" + "".join(f"\n  {f}" for f in self.failures[:3]))
+
+
+def survive(real_node: RealNode, fault: str, inject, host: str, port: int) -> Outage:
+    """Load through the Service while `inject()` breaks the instance; until every pod of it is
+    new, the deployment serves again and a request through the Service succeeded."""
+    before = {p["metadata"]["uid"] for p in afd_pods(real_node, NAMESPACE, NAME)}
+    with Load(host, port) as load:
+        started = time.monotonic()
+        inject()
+        wait_for(lambda: before.isdisjoint(p["metadata"]["uid"] for p in afd_pods(real_node, NAMESPACE, NAME)),
+                 f"{fault}: the instance recreated", READY_TIMEOUT_SECONDS, interval=2)
+        wait_serving(real_node, NAMESPACE, NAME, READY_TIMEOUT_SECONDS)
+        served_before = load.ok
+        wait_for(lambda: load.ok > served_before, f"{fault}: requests served again", 120, interval=0.5)
+        recovered_after = time.monotonic() - started
+        time.sleep(5)
+    return Outage(fault, load.ok, list(load.failures), recovered_after)
+
+
+def of_role(real_node: RealNode, role: str) -> list[dict]:
+    return [p for p in afd_pods(real_node, NAMESPACE, NAME) if p["metadata"]["labels"][LABEL + "role"] == role]
+
+
+def test_faults_recreate_the_instance_and_serving_returns(real_node: RealNode, served: dict,
+                                                          plain_vllm: dict) -> None:
+    host, port = served["address"]
+
+    def kill_an_ffn_container() -> None:
+        (status,) = of_role(real_node, "ffn")[0]["status"]["containerStatuses"]
+        real_node.ctr("tasks", "kill", "--signal", "SIGKILL", status["containerID"].split("://", 1)[1])
+
+    def delete_an_attention_pod() -> None:
+        pod = of_role(real_node, "attention")[-1]["metadata"]["name"]
+        real_node.kubectl("delete", "pod", "-n", NAMESPACE, pod, "--wait=false")
+
+    outages = [survive(real_node, "FFN container killed", kill_an_ffn_container, host, port),
+               survive(real_node, "Attention pod deleted", delete_an_attention_pod, host, port)]
+    print("\n".join(outage.report() for outage in outages))
+    for outage in outages:
+        # One instance: the fault is an outage. Each request in it failed visibly (an error
+        # status or a refused connection) rather than hanging past the client's timeout.
+        assert outage.failures and outage.ok > 0, outage.report()
+        assert not [f for f in outage.failures if "timed out" in f], outage.report()
+    assert complete(host, port, NAME) == plain_vllm
+
+
+# ---- 5. teardown --------------------------------------------------------------------------------
+
+@dataclass
+class FFNExits(BackgroundLoop):
+    """Exit codes of the FFN containers that end while it runs, by pod."""
+
+    node: RealNode
+    codes: dict[str, int] = field(default_factory=dict)
+
+    def step(self) -> bool:
+        for pod in of_role(self.node, "ffn"):
+            for status in pod["status"].get("containerStatuses", []):
+                if "terminated" in status.get("state", {}):
+                    self.codes[pod["metadata"]["name"]] = status["state"]["terminated"]["exitCode"]
+        time.sleep(0.5)
+        return True
+
+
+def test_delete_drains_and_leaves_nothing(real_node: RealNode, served: dict, namespace: str) -> None:
+    cluster_ip, _ = served["address"]
+    ffn_pods = {p["metadata"]["name"] for p in of_role(real_node, "ffn")}
+    with FFNExits(real_node) as exits:
+        delete_afd(real_node, namespace, NAME)
+    # Attention goes first; vLLM drains (--shutdown-timeout) and each Attention rank sends its
+    # shutdown notice, so the FFN servers end by themselves with exit 0 before their own SIGTERM.
+    assert exits.codes and set(exits.codes) <= ffn_pods and set(exits.codes.values()) == {0}, exits.codes
+    # kubelet labels every CRI container (sandboxes too) with its pod's namespace.
+    wait_for(lambda: not real_node.ctr("containers", "ls", "-q",
+                                       f'labels."io.kubernetes.pod.namespace"=={namespace}').stdout.split(),
+             "the deployment's containers removed from containerd", 120, interval=1)
+    wait_for(lambda: cluster_ip not in subprocess.run(["iptables-save", "-t", "nat"], capture_output=True, text=True,
+                                                      check=True).stdout,
+             "the Service's kube-proxy rules removed", 60, interval=1)
+    assert not pods(real_node, namespace, "app.kubernetes.io/managed-by=afd-operator")
