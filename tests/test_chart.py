@@ -42,6 +42,7 @@ NAMESPACED_RULES = [
     {"apiGroups": [""], "resources": ["pods", "services"], "verbs": ["list", "watch", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["list", "watch", "create", "delete"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": ["monitoring.coreos.com"], "resources": ["podmonitors"], "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": ["scheduling.volcano.sh"], "resources": ["podgroups"], "verbs": ["get", "create", "delete"]},
@@ -361,6 +362,7 @@ CAN = [("list", "afddeployments.afd.inference.dev", ""), ("watch", "afddeploymen
        ("create", "pods", ""), ("patch", "pods", ""), ("delete", "pods", ""), ("watch", "pods", ""),
        ("create", "services", ""), ("patch", "services", ""), ("delete", "services", ""),
        ("create", "configmaps", ""), ("delete", "configmaps", ""), ("create", "events", ""),
+       ("watch", "endpointslices.discovery.k8s.io", ""),
        ("get", "poddisruptionbudgets.policy", ""), ("create", "poddisruptionbudgets.policy", ""),
        ("patch", "podmonitors.monitoring.coreos.com", ""), ("delete", "podgroups.scheduling.volcano.sh", ""),
        ("list", "customresourcedefinitions.apiextensions.k8s.io", "")]
@@ -372,7 +374,8 @@ CANNOT = [("get", "secrets", ""), ("list", "secrets", ""), ("watch", "secrets", 
           ("list", "namespaces", ""), ("create", "customresourcedefinitions.apiextensions.k8s.io", ""),
           ("patch", "validatingwebhookconfigurations.admissionregistration.k8s.io", ""),
           ("create", "clusterrolebindings.rbac.authorization.k8s.io", ""), ("create", "serviceaccounts", "token"),
-          ("patch", "podgroups.scheduling.volcano.sh", ""), ("delete", "events", ""), ("*", "*", "")]
+          ("patch", "podgroups.scheduling.volcano.sh", ""), ("delete", "events", ""),
+          ("patch", "endpointslices.discovery.k8s.io", ""), ("*", "*", "")]
 
 
 @pytest.mark.apiserver

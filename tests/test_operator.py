@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import shutil
 import subprocess
-import threading
 import time
 from typing import Any, Optional
 
@@ -17,6 +15,7 @@ from afd_operator.api import GROUP, PLURAL, VERSION
 from afd_devcluster import OPERATOR_USER
 from afd_devcluster.operator_process import OperatorProcess
 from k8s_helpers import wait_for
+from vllm_metrics import FakeVllmMetrics
 from operator_env import CONVERGE_SECONDS, Env, PodWatch, base_spec, env, kubelet, operator  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.apiserver
@@ -286,39 +285,30 @@ def test_unschedulable_surge_is_reported_not_awaited(env: Env) -> None:
     assert head.spec.containers[0].image == "runtime:v1"
 
 
-class FakeVllmMetrics:
-    """A /metrics endpoint on a pod's (loopback) IP and API port, as vLLM serves it."""
-
-    def __init__(self, ip: str, port: int):
-        self.running = 1
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                body = (f'# TYPE vllm:num_requests_running gauge\n'
-                        f'vllm:num_requests_running{{model_name="tiny"}} {outer.running}.0\n').encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain")
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer((ip, port), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+def api_endpoint_slice(env: Env, deployment: str, head: Any) -> dict[str, Any]:
+    """The API Service's EndpointSlice listing `head`, as the EndpointSlice controller writes it
+    (the control-plane tier runs no controller-manager): the Service's labels copied, plus
+    kubernetes.io/service-name."""
+    service = env.core.read_namespaced_service(naming.api_service_name(deployment), env.ns)
+    served = env.cluster.kubectl("api-versions").stdout.split()
+    version = "discovery.k8s.io/v1" if "discovery.k8s.io/v1" in served else "discovery.k8s.io/v1beta1"
+    return {"apiVersion": version, "kind": "EndpointSlice",
+            "metadata": {"name": f"{service.metadata.name}-slice", "namespace": env.ns,
+                         "labels": {**service.metadata.labels, naming.LABEL_SERVICE_NAME: service.metadata.name}},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [head.status.pod_ip], "conditions": {"ready": False},
+                           "targetRef": {"kind": "Pod", "name": head.metadata.name, "namespace": env.ns}}],
+            "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}]}
 
 
-def test_drain_waits_for_running_requests_not_the_full_window(env: Env) -> None:
+def test_drain_waits_for_endpoints_and_running_requests_not_the_full_window(env: Env) -> None:
     env.create("busy", base_spec(termination={"gracePeriodSeconds": 5, "drainSeconds": 300}))
     env.wait_ready("busy", 1)
     head = next(p for p in env.pods() if p.metadata.labels[naming.LABEL_HEAD] == "true")
     api_port = next(p.container_port for p in head.spec.containers[0].ports if p.name == "api")
     metrics = FakeVllmMetrics(head.status.pod_ip, api_port)
+    endpoints = api_endpoint_slice(env, "busy", head)
+    env.cluster.kubectl("apply", "-f", "-", input_text=json.dumps(endpoints))
     try:
         env.cluster.kubectl("scale", "afd", "busy", "-n", env.ns, "--replicas=0")
         wait_for(lambda: naming.LABEL_SERVING not in (env.core.read_namespaced_pod(
@@ -326,6 +316,11 @@ def test_drain_waits_for_running_requests_not_the_full_window(env: Env) -> None:
         time.sleep(2)
         assert len(env.pods()) == 3, "a head still running requests must not be deleted"
         metrics.running = 0
-        wait_for(lambda: not env.pods(), "drain finished once the head is idle", 20)
+        time.sleep(3)
+        assert len(env.pods()) == 3, "an idle head that an endpoint still lists must not be deleted"
+        env.cluster.kubectl("apply", "-f", "-", input_text=json.dumps({**endpoints, "endpoints": []}))
+        wait_for(lambda: not env.pods(), "drain finished once the head is unlisted and idle", 20)
     finally:
         metrics.close()
+        env.cluster.kubectl("delete", "endpointslice", endpoints["metadata"]["name"], "-n", env.ns,
+                            "--ignore-not-found")

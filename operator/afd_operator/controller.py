@@ -519,8 +519,8 @@ def decide(
 ) -> Decision:
     """Everything the operator should do now for one AFDDeployment. `layouts` gives the pods
     per role of older revisions (from their snapshots), so their instances are judged by
-    their own shape; `idle_heads` are draining heads that report no running request, whose
-    drain need not wait out termination.drainSeconds."""
+    their own shape; `idle_heads` are draining heads that no Service endpoint lists any more
+    and that report no running request, whose drain need not wait out termination.drainSeconds."""
     step = _Decider(spec, name, revision, now, layouts, idle_heads, _views(records, pods))
     step.classify()
     if deleting:

@@ -1,12 +1,12 @@
-"""The drain probe: whether a draining Attention head still runs requests, read from its
-vLLM /metrics. The one HTTP client of the operator besides the Kubernetes API."""
+"""The drain probe: whether a draining Attention head is done, i.e. no longer listed in the API
+Service's EndpointSlices (so kube-proxy stops sending it connections) and running no request
+by its vLLM /metrics. The one HTTP client of the operator besides the Kubernetes API."""
 
 from __future__ import annotations
 
 import urllib.request
-from typing import Iterable
 
-from .observe import ObservedPod
+from .observe import Observed, ObservedPod
 
 PROBE_TIMEOUT_SECONDS = 0.5
 # vLLM's gauge of requests being processed; a draining head at 0 has finished its work.
@@ -29,7 +29,10 @@ def head_is_idle(pod: ObservedPod) -> bool:
     return bool(running) and sum(running) == 0
 
 
-def idle_heads(pods: Iterable[ObservedPod]) -> frozenset[str]:
-    """The draining heads (not yet being deleted) that report no running request."""
-    return frozenset(p.name for p in pods
-                     if p.head and p.drain_started_at is not None and not p.deleting and head_is_idle(p))
+def idle_heads(observed: Observed) -> frozenset[str]:
+    """The draining heads (not yet being deleted) that no Service endpoint lists any more and
+    that report no running request. A head still listed may get a new connection any moment:
+    between two requests it reads idle, and deleting it then would refuse that connection."""
+    return frozenset(p.name for p in observed.pods
+                     if p.head and p.drain_started_at is not None and not p.deleting
+                     and p.name not in observed.routed and head_is_idle(p))

@@ -31,6 +31,8 @@ LABEL_HEAD = f"{GROUP}/head"
 # Set by the operator on an instance's Attention head while the instance is Ready; the
 # API Service selects it, so only complete, Ready worlds receive requests.
 LABEL_SERVING = f"{GROUP}/serving"
+# Kubernetes' label naming the Service an EndpointSlice belongs to.
+LABEL_SERVICE_NAME = "kubernetes.io/service-name"
 # Set on an instance's Attention head when its drain starts; the wait is measured from it.
 ANNOTATION_DRAIN_STARTED = f"{GROUP}/drain-started"
 

@@ -62,6 +62,8 @@ class Observed:
 
     pods: tuple[ObservedPod, ...]
     objects: tuple[ObservedObject, ...]  # Services and ConfigMaps
+    # Pods the API Service's EndpointSlices still list: requests may still be routed to them.
+    routed: frozenset[str] = frozenset()
 
 
 def _condition(status: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
@@ -140,3 +142,10 @@ def summarize_object(kind: str, body: Mapping[str, Any]) -> ObservedObject:
     else:
         spec = dict(body.get("spec") or {})
     return ObservedObject(kind=kind, name=meta["name"], labels=dict(meta.get("labels") or {}), spec=spec)
+
+
+def endpoint_pods(body: Mapping[str, Any]) -> frozenset[str]:
+    """The pods an EndpointSlice lists, whatever their conditions: while a pod is listed,
+    kube-proxy may still send it connections."""
+    return frozenset(ref["name"] for ep in body.get("endpoints") or []
+                     if (ref := ep.get("targetRef") or {}).get("kind") == "Pod" and ref.get("name"))

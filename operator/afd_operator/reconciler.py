@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
 from . import drain_probe
@@ -104,9 +104,9 @@ class Reconciler:
             return ReconcileResult(finished=False, next_wakeup=None)
 
         revision = revision_of(spec)
-        observed = Observed(pods=t.memory.intents.overlay(observed.pods, now), objects=observed.objects)
+        observed = replace(observed, pods=t.memory.intents.overlay(observed.pods, now))
         decision = decide(spec, t.name, revision, observed.pods, records_from_status(t.previous), now, deleting,
-                          layouts(observed), drain_probe.idle_heads(observed.pods))
+                          layouts(observed), drain_probe.idle_heads(observed))
         for action in decision.actions:
             log.info("%s/%s: %s", t.namespace, t.name, action)
         if decision.actions:

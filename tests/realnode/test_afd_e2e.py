@@ -5,17 +5,19 @@
    the operator (a pod, installed by the chart) creates the pods, kubelet runs them in the
    built runtime image, they turn Ready through their own probes, and a completion sent to
    the API Service's ClusterIP (kube-proxy) equals plain vLLM's (same image, same checkpoint);
-4. Prometheus (Debian's), discovering targets from the real API, scrapes the operator, the FFN
-   pod and the Attention head; the chart's dashboard queries return data;
+   a second AFDDeployment whose name extends the first's serves beside it in the namespace,
+   each Service routing only to its own head, and deleting it leaves the first untouched;
 2. a bounded load generator runs against the Service while the AFDDeployment rolls to a new
    topology (Attention DP 2 -> 1, FFN 2 ranks in one pod -> 4 over two pods), then to a new image
    tag with the operator pod deleted mid-rollout: no request fails and no connector world ever
    holds pods of two revisions;
 3. faults under load: an FFN container killed, an Attention pod deleted: the instance is
    recreated and serving returns; every failed request is counted and reported;
+4. Prometheus (Debian's), discovering targets from the real API, scrapes the operator, the FFN
+   pods and the Attention head; the chart's dashboard queries return data (last before the
+   teardown: its scrapes would load the 2 cores during the rolls);
 5. `kubectl delete`: the operator drains and tears down; no pod, container or Service rule is left.
 """
-
 from __future__ import annotations
 
 import json
@@ -32,12 +34,16 @@ from afd_devcluster.prometheus import prometheus_server, query
 from afd_devcluster.realnode import RealNode
 from afd_devcluster.realnode.images import RUNTIME_CPU_IMAGE, retag
 from afd_devcluster.realnode.prometheus_sd import TargetFeed, scrape_jobs
-from afd_devcluster.realnode.scenario import (RELEASE_NAMESPACE, afd_pods, apply, complete, delete_afd, get_afd,
-                                              is_ready, pods, wait_serving, write_tiny_checkpoint)
+from afd_devcluster.realnode.scenario import (DEPLOYMENT_LABEL, RELEASE_NAMESPACE, afd_pods, apply, complete,
+                                              delete_afd, get_afd, is_ready, pods, wait_serving,
+                                              write_tiny_checkpoint)
 from afd_devcluster.tools import wait_for
 
 NAMESPACE = "afd-e2e"
 NAME = "tiny"
+# A second deployment in the same namespace, its name extending the first's: nothing the
+# operator selects, names or remembers may match by prefix.
+SECOND = NAME + "-b"
 MOUNT = "/models"
 MODEL_DIR = "tiny-deepseek-v2"
 READY_TIMEOUT_SECONDS = 900
@@ -107,10 +113,10 @@ def plain_vllm(real_node: RealNode, project_images: dict, checkpoint: Path, name
 
 
 def afd_deployment(checkpoint: Path, namespace: str, data_parallel: int = 2, ffn_ranks: int = 2,
-                   image: str = RUNTIME_CPU_IMAGE) -> dict:
+                   image: str = RUNTIME_CPU_IMAGE, name: str = NAME) -> dict:
     return {
         "apiVersion": "afd.inference.dev/v1alpha1", "kind": "AFDDeployment",
-        "metadata": {"name": NAME, "namespace": namespace},
+        "metadata": {"name": name, "namespace": namespace},
         "spec": {
             "replicas": 1, "image": image, "platform": "cpu",
             "model": {"name": NAME, "path": f"{MOUNT}/{MODEL_DIR}",
@@ -119,7 +125,7 @@ def afd_deployment(checkpoint: Path, namespace: str, data_parallel: int = 2, ffn
             "sharedExperts": {"placement": "ffn"},
             "attention": {"dataParallel": data_parallel, "tensorParallel": 1, "devicesPerPod": 1,
                           "engineArgs": ENGINE_ARGS, "env": VLLM_ENV, "podTemplate": SMALL},
-            "ffn": {"ranks": ffn_ranks, "devicesPerPod": 2, "env": VLLM_ENV, "podTemplate": SMALL},
+            "ffn": {"ranks": ffn_ranks, "devicesPerPod": min(2, ffn_ranks), "env": VLLM_ENV, "podTemplate": SMALL},
             "startup": {"timeoutSeconds": READY_TIMEOUT_SECONDS},
             "termination": {"gracePeriodSeconds": 30, "drainSeconds": 5},
         },
@@ -150,57 +156,40 @@ def test_completion_through_the_service_equals_plain_vllm(real_node: RealNode, s
     assert complete(host, port, NAME) == plain_vllm
 
 
-# ---- 4. Prometheus with Kubernetes service discovery ------------------------------------------
-
-@pytest.fixture(scope="module")
-def prometheus(real_node: RealNode, served: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Debian's Prometheus, its targets discovered from the real API (prometheus_sd.py: Debian
-    builds it without kubernetes_sd)."""
-    workdir = tmp_path_factory.mktemp("prometheus")
-    with TargetFeed(real_node) as feed, prometheus_server(
-            {"global": {"scrape_interval": "2s", "scrape_timeout": "2s"},
-             "scrape_configs": scrape_jobs(feed, NAMESPACE, NAME, RELEASE_NAMESPACE)}, workdir) as base:
-        wait_for(lambda: query(base, "up"), "Prometheus with discovered targets", 60, interval=1)
-        yield base
+def heads(real_node: RealNode, name: str) -> set[str]:
+    return {p["metadata"]["name"] for p in afd_pods(real_node, NAMESPACE, name)
+            if p["metadata"]["labels"][LABEL + "head"] == "true"}
 
 
-def test_prometheus_scrapes_operator_ffn_pod_and_attention_head(prometheus: str, served: dict) -> None:
-    host, port = served["address"]
-    complete(host, port, NAME)  # traffic, so the runtime counters move
-    up = wait_for(lambda: (r := query(prometheus, "up == 1")) and len(r) >= 3 and r,
-                  "the operator, the FFN pod and the Attention head up", 60, interval=2)
-    scraped = {(s["metric"]["job"], s["metric"].get("role", "")) for s in up}
-    assert {("afd-operator", ""), ("afd-pods", "ffn"), ("afd-pods", "attention")} <= scraped, up
-    # The runtime's own series, from each side, through the pods' real ports.
-    wait_for(lambda: query(prometheus, 'afd_tokens_received_total{job="afd-pods",role="ffn"} > 0'),
-             "FFN tokens received", 60, interval=2)
-    wait_for(lambda: query(prometheus, 'afd_tokens_dispatched_total{job="afd-pods",role="attention"} > 0'),
-             "Attention tokens dispatched", 60, interval=2)
-    wait_for(lambda: query(prometheus, 'afd_operator_instances{job="afd-operator",phase="Ready"} > 0'),
-             "the operator's Ready instance gauge", 60, interval=2)
+def api_endpoint_pods(real_node: RealNode, name: str) -> set[str]:
+    """The pods the API Service's EndpointSlices list, found as the operator's drain does: by
+    the Service's own labels, which the EndpointSlice controller copies onto its slices."""
+    selector = f"{DEPLOYMENT_LABEL}={name},kubernetes.io/service-name={name}"
+    slices = json.loads(real_node.kubectl("get", "endpointslices", "-n", NAMESPACE, "-l", selector,
+                                          "-o", "json").stdout)["items"]
+    return {ep["targetRef"]["name"] for s in slices for ep in s.get("endpoints") or []}
 
 
-def dashboard_queries() -> list[str]:
-    return [t["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"] for t in panel.get("targets", [])]
-
-
-def test_dashboard_queries_return_data(prometheus: str, served: dict) -> None:
-    host, port = served["address"]
-    for _ in range(3):
-        complete(host, port, NAME)
-    # Series that only exist once something went wrong (errors, instance restarts) may be
-    # absent on a healthy deployment; every other query must return data.
-    event_only = ("afd_errors_total", "afd_operator_instance_restarts_total")
-    expected = [q for q in dashboard_queries() if not any(m in q for m in event_only)]
-    assert expected
-    deadline = time.monotonic() + 90
-    missing = expected
-    while missing and time.monotonic() < deadline:
-        time.sleep(3)
-        missing = [q for q in expected if not query(prometheus, q)]
-    assert not missing, f"dashboard queries without data: {missing}"
-    for q in dashboard_queries():
-        query(prometheus, q)  # the event-only ones still evaluate
+def test_a_second_deployment_whose_name_extends_the_first_serves_beside_it(real_node: RealNode, served: dict,
+                                                                           checkpoint: Path,
+                                                                           plain_vllm: dict) -> None:
+    first = {p["metadata"]["uid"] for p in afd_pods(real_node, NAMESPACE, NAME)}
+    apply(real_node, afd_deployment(checkpoint, NAMESPACE, data_parallel=1, ffn_ranks=1, name=SECOND))
+    try:
+        second_host, second_port = wait_serving(real_node, NAMESPACE, SECOND, READY_TIMEOUT_SECONDS)
+        for name in (NAME, SECOND):
+            own = heads(real_node, name)
+            assert len(own) == 1, own
+            wait_for(lambda: api_endpoint_pods(real_node, name) == own, f"{name}'s Service routing to its head only",
+                     60, interval=1)
+        assert complete(second_host, second_port, NAME) == plain_vllm
+        assert complete(*served["address"], NAME) == plain_vllm
+    finally:
+        delete_afd(real_node, NAMESPACE, SECOND)
+    after = afd_pods(real_node, NAMESPACE, NAME)
+    assert {p["metadata"]["uid"] for p in after} == first
+    assert all(s["restartCount"] == 0 for p in after for s in p["status"]["containerStatuses"])
+    assert complete(*served["address"], NAME) == plain_vllm
 
 
 # ---- 2. rolling under load ----------------------------------------------------------------------
@@ -406,6 +395,59 @@ def test_faults_recreate_the_instance_and_serving_returns(real_node: RealNode, s
         assert outage.failures and outage.ok > 0, outage.report()
         assert not [f for f in outage.failures if "timed out" in f], outage.report()
     assert complete(host, port, NAME) == plain_vllm
+
+
+# ---- 4. Prometheus with Kubernetes service discovery ------------------------------------------
+
+@pytest.fixture(scope="module")
+def prometheus(real_node: RealNode, served: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Debian's Prometheus, its targets discovered from the real API (prometheus_sd.py: Debian
+    builds it without kubernetes_sd)."""
+    workdir = tmp_path_factory.mktemp("prometheus")
+    with TargetFeed(real_node) as feed, prometheus_server(
+            {"global": {"scrape_interval": "2s", "scrape_timeout": "2s"},
+             "scrape_configs": scrape_jobs(feed, NAMESPACE, NAME, RELEASE_NAMESPACE)}, workdir) as base:
+        wait_for(lambda: query(base, "up"), "Prometheus with discovered targets", 60, interval=1)
+        yield base
+
+
+def test_prometheus_scrapes_operator_ffn_pod_and_attention_head(prometheus: str, served: dict) -> None:
+    host, port = served["address"]
+    complete(host, port, NAME)  # traffic, so the runtime counters move
+    up = wait_for(lambda: (r := query(prometheus, "up == 1")) and len(r) >= 3 and r,
+                  "the operator, the FFN pod and the Attention head up", 60, interval=2)
+    scraped = {(s["metric"]["job"], s["metric"].get("role", "")) for s in up}
+    assert {("afd-operator", ""), ("afd-pods", "ffn"), ("afd-pods", "attention")} <= scraped, up
+    # The runtime's own series, from each side, through the pods' real ports.
+    wait_for(lambda: query(prometheus, 'afd_tokens_received_total{job="afd-pods",role="ffn"} > 0'),
+             "FFN tokens received", 60, interval=2)
+    wait_for(lambda: query(prometheus, 'afd_tokens_dispatched_total{job="afd-pods",role="attention"} > 0'),
+             "Attention tokens dispatched", 60, interval=2)
+    wait_for(lambda: query(prometheus, 'afd_operator_instances{job="afd-operator",phase="Ready"} > 0'),
+             "the operator's Ready instance gauge", 60, interval=2)
+
+
+def dashboard_queries() -> list[str]:
+    return [t["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"] for t in panel.get("targets", [])]
+
+
+def test_dashboard_queries_return_data(prometheus: str, served: dict) -> None:
+    host, port = served["address"]
+    for _ in range(3):
+        complete(host, port, NAME)
+    # Series that only exist once something went wrong (errors, instance restarts) may be
+    # absent on a healthy deployment; every other query must return data.
+    event_only = ("afd_errors_total", "afd_operator_instance_restarts_total")
+    expected = [q for q in dashboard_queries() if not any(m in q for m in event_only)]
+    assert expected
+    deadline = time.monotonic() + 90
+    missing = expected
+    while missing and time.monotonic() < deadline:
+        time.sleep(3)
+        missing = [q for q in expected if not query(prometheus, q)]
+    assert not missing, f"dashboard queries without data: {missing}"
+    for q in dashboard_queries():
+        query(prometheus, q)  # the event-only ones still evaluate
 
 
 # ---- 5. teardown --------------------------------------------------------------------------------

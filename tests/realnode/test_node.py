@@ -11,6 +11,7 @@ from afd_devcluster.realnode.images import BUSYBOX_IMAGE
 from afd_devcluster.tools import wait_for
 
 WAIT_SECONDS = 90
+CLIENT_ATTEMPTS = 30  # each at most 10 s (the fetch's bound) + 1 s
 
 
 def test_node_is_ready_with_the_configured_runtime(real_node: RealNode) -> None:
@@ -42,19 +43,27 @@ def test_a_service_resolves_and_routes_to_its_pod(real_node: RealNode) -> None:
         cluster_ip = real_node.kubectl("get", "-n", ns, "service", "web", "-o",
                                        "jsonpath={.spec.clusterIP}").stdout.strip()
         # A second pod resolves the Service by its short name (search path) and fetches
-        # through the ClusterIP, which only kube-proxy's rules lead to the server pod.
+        # through the ClusterIP, which only kube-proxy's rules lead to the server pod. Routing
+        # converges after the Service is created: on a node just started, a fetch 2 s after it
+        # got an HTTP 404, which the server pod never sends (the request went elsewhere). So the
+        # client tries again, as any client of a new Service would, within a bound, and only the
+        # server pod's own answer (its hostname) ends it.
+        attempts = (f"for i in $(seq {CLIENT_ATTEMPTS}); do nslookup web; "
+                    "answer=$(timeout 10 wget -q -O - http://web/); "
+                    "if [ \"$answer\" = web ]; then echo \"$answer\"; exit 0; fi; "
+                    "echo \"attempt $i: answer '$answer'\"; sleep 1; done; exit 1")
         client = {
             "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "client", "namespace": ns},
             "spec": {"restartPolicy": "Never", "containers": [{
                 "name": "client", "image": BUSYBOX_IMAGE,
                 # (busybox's wget -T crashes; its timeout applet bounds the fetch instead)
-                "command": ["/bin/sh", "-c", "cat /etc/resolv.conf; nslookup web; timeout 10 wget -q -O - http://web/"]}]},
+                "command": ["/bin/sh", "-c", f"cat /etc/resolv.conf; {attempts}"]}]},
         }
         real_node.kubectl("apply", "-f", "-", input_text=json.dumps(client))
         def finished() -> str:
             phase = real_node.kubectl("get", "-n", ns, "pod", "client", "-o", "jsonpath={.status.phase}").stdout.strip()
             return phase if phase in ("Succeeded", "Failed") else ""
-        phase = wait_for(finished, "client pod finished", WAIT_SECONDS, interval=0.5)
+        phase = wait_for(finished, "client pod finished", WAIT_SECONDS + 11 * CLIENT_ATTEMPTS, interval=0.5)
         logs = real_node.kubectl("logs", "-n", ns, "client").stdout
         assert phase == "Succeeded", logs
         assert f"nameserver {DNS_SERVICE_IP}" in logs

@@ -7,7 +7,7 @@ from typing import Any
 import kopf
 
 from .. import naming
-from ..observe import summarize_object, summarize_pod
+from ..observe import endpoint_pods, summarize_object, summarize_pod
 
 OWNED = {naming.LABEL_MANAGED_BY: naming.MANAGER, naming.LABEL_DEPLOYMENT: kopf.PRESENT}
 
@@ -28,6 +28,20 @@ async def afd_configmaps(namespace: str, labels: dict, body: Any, **_: Any) -> A
     return {(namespace, labels[naming.LABEL_DEPLOYMENT]): summarize_object("ConfigMap", body)}
 
 
+# The EndpointSlice controller copies a Service's labels onto its slices, so OWNED finds them.
+# No version: the cluster's preferred one (v1 since Kubernetes 1.21, v1beta1 before; both
+# carry endpoints[].targetRef).
+ENDPOINT_SLICES = ("discovery.k8s.io", "endpointslices")
+
+
+@kopf.index(*ENDPOINT_SLICES, labels={**OWNED, naming.LABEL_SERVICE_NAME: kopf.PRESENT})
+async def afd_routed_pods(namespace: str, labels: dict, body: Any, **_: Any) -> Any:
+    deployment = labels[naming.LABEL_DEPLOYMENT]
+    if labels[naming.LABEL_SERVICE_NAME] != naming.api_service_name(deployment):
+        return None  # an instance's headless Service: it routes no client request
+    return {(namespace, deployment): endpoint_pods(body)}
+
+
 @kopf.on.event("pods", labels=OWNED)
 async def wake_on_pod_change(namespace: str, labels: dict, memo: kopf.Memo, **_: Any) -> None:
     memo.wakeups.wake(namespace, labels[naming.LABEL_DEPLOYMENT])
@@ -35,4 +49,9 @@ async def wake_on_pod_change(namespace: str, labels: dict, memo: kopf.Memo, **_:
 
 @kopf.on.event("services", labels=OWNED)
 async def wake_on_service_change(namespace: str, labels: dict, memo: kopf.Memo, **_: Any) -> None:
+    memo.wakeups.wake(namespace, labels[naming.LABEL_DEPLOYMENT])
+
+
+@kopf.on.event(*ENDPOINT_SLICES, labels={**OWNED, naming.LABEL_SERVICE_NAME: kopf.PRESENT})
+async def wake_on_endpoints_change(namespace: str, labels: dict, memo: kopf.Memo, **_: Any) -> None:
     memo.wakeups.wake(namespace, labels[naming.LABEL_DEPLOYMENT])

@@ -19,11 +19,12 @@ ERROR_RETRY_SECONDS = 2.0
 
 
 def _observed(namespace: str, name: str, afd_pods: kopf.Index, afd_services: kopf.Index,
-              afd_configmaps: kopf.Index) -> Observed:
+              afd_configmaps: kopf.Index, afd_routed_pods: kopf.Index) -> Observed:
     key = (namespace, name)
     return Observed(
         pods=tuple(afd_pods.get(key, ())),
         objects=tuple(afd_services.get(key, ())) + tuple(afd_configmaps.get(key, ())),
+        routed=frozenset().union(*afd_routed_pods.get(key, ())),
     )
 
 
@@ -49,7 +50,7 @@ async def wake_on_change(namespace: str, name: str, memo: kopf.Memo, **_: Any) -
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
 async def reconcile_loop(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
                          afd_pods: kopf.Index, afd_services: kopf.Index, afd_configmaps: kopf.Index,
-                         **_: Any) -> None:
+                         afd_routed_pods: kopf.Index, **_: Any) -> None:
     wake = memo.wakeups.event(namespace, name)
     while not stopped and not body.metadata.get("deletionTimestamp"):
         wake.clear()
@@ -57,7 +58,7 @@ async def reconcile_loop(stopped: kopf.DaemonStopped, body: kopf.Body, namespace
         try:
             async with memo.wakeups.lock(namespace, name):
                 result = await _reconcile(memo, body, _observed(namespace, name, afd_pods, afd_services,
-                                                                afd_configmaps))
+                                                                afd_configmaps, afd_routed_pods))
             if result.next_wakeup is not None:
                 delay = min(delay, max(result.next_wakeup - time.time(), 0.05))
         except Exception:
@@ -68,10 +69,11 @@ async def reconcile_loop(stopped: kopf.DaemonStopped, body: kopf.Body, namespace
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
 async def tear_down(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, afd_pods: kopf.Index,
-                    afd_services: kopf.Index, afd_configmaps: kopf.Index, **_: Any) -> None:
+                    afd_services: kopf.Index, afd_configmaps: kopf.Index, afd_routed_pods: kopf.Index,
+                    **_: Any) -> None:
     async with memo.wakeups.lock(namespace, name):
-        result = await _reconcile(memo, body, _observed(namespace, name, afd_pods, afd_services, afd_configmaps),
-                                  deleting=True)
+        result = await _reconcile(memo, body, _observed(namespace, name, afd_pods, afd_services, afd_configmaps,
+                                                        afd_routed_pods), deleting=True)
     if not result.finished:
         delay = memo.resync_seconds if result.next_wakeup is None else max(result.next_wakeup - time.time(), 0.2)
         raise kopf.TemporaryError("draining instances before removing the finalizer", delay=min(delay, 5.0))
