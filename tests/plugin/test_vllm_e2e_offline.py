@@ -2,13 +2,20 @@
 plain vLLM's, and the Attention side holds exactly the shared-expert bytes less under
 placement 'ffn'. Three vLLM starts per model (plain, placement ffn, placement attention),
 each AFD one with two FFN server processes. Every run has the test bed's stand-in for a
-platform plugin's own FusedMoE registration (as vllm-ascend makes) loaded beside the plugin."""
+platform plugin's own FusedMoE registration (as vllm-ascend makes) loaded beside the plugin.
+
+The AFD runs split their steps into micro-batch stages (placement 'ffn': 3, 'attention': 2;
+Attention TP 2: 2): every prompt is queued before the first step, so the prefill step and each
+decode step hold all four requests. One stage (today's path without micro-batches) runs in
+tests/plugin/test_vllm_serve_e2e.py and test_vllm_ffn_multi_rank.py."""
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from afd_shared_experts.model import load_spec
+from afd_shared_experts.trace import read_traces
+from stage_traces import assert_staged_schedule
 from vllm_harness import (
     MAX_TOKENS,
     PROMPTS,
@@ -22,19 +29,23 @@ from vllm_harness import (
 )
 
 MODELS = ("deepseek_v2", "deepseek_v3", "qwen2_moe")
+STAGES = {"ffn": 3, "attention": 2}
 
 
 def afd_run(model, request: dict, block: dict, root, tag: str) -> dict:
-    """The driver as an AFD Attention side with two FFN server processes (stopped after)."""
-    servers = start_ffn_servers(model, block, root, tag=f"ffn-{tag}")
+    """The driver as an AFD Attention side with two FFN server processes (stopped after); both
+    sides write stage traces (result["traces"])."""
+    traces = root / f"traces-{tag}"
+    servers = start_ffn_servers(model, block, root, tag=f"ffn-{tag}", trace_dir=traces)
     try:
-        result = run_driver({**request, "additional_config": block}, root, f"afd-{tag}")
+        result = run_driver({**request, "additional_config": block}, root, f"afd-{tag}", trace_dir=traces)
         # Still serving after the run: the engine's exit closed its connector cleanly.
         result["ffn_ready_after_run"] = [http_status(port, "/ready") for _, port in servers]
     finally:
         for proc, _ in servers:
             proc.stop()
     result["ffn_logs"] = [proc.log() for proc, _ in servers]
+    result["traces"] = read_traces(traces)
     return result
 
 
@@ -55,7 +66,7 @@ def runs(request, tmp_path_factory):
     root, model, generation, plain = plain_reference(tmp_path_factory, model_type, MODELS.index(model_type))
     results = {"plain": plain, "model": model}
     for placement in ("ffn", "attention"):
-        block = afd_block("attention", port=free_port(), placement=placement)
+        block = afd_block("attention", port=free_port(), placement=placement, stages=STAGES[placement])
         # The load format the operator renders for Attention engines.
         results[placement] = afd_run(model, {**generation, "load_format": "afd"}, block, root, placement)
     return results
@@ -70,7 +81,7 @@ def tensor_parallel_2(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp2")
     model = write_vllm_checkpoint(root / "model", "deepseek_v2")
     request = {"model": str(model), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "tensor_parallel_size": 2}
-    block = afd_block("attention", port=free_port(), attention_ranks=2, tp=2)
+    block = afd_block("attention", port=free_port(), attention_ranks=2, tp=2, stages=2)
     return {"plain": run_driver(request, root, "plain-tp2"), "afd": afd_run(model, request, block, root, "tp2"),
             "model": model}
 
@@ -98,6 +109,15 @@ def test_afd_greedy_ids_equal_plain_vllm(runs, placement):
     plain = runs["plain"]["token_ids"]
     assert all(len(ids) == MAX_TOKENS for ids in plain)
     assert runs[placement]["token_ids"] == plain
+
+
+@pytest.mark.parametrize("placement", ["ffn", "attention"])
+def test_steps_ran_as_micro_batch_stages_with_one_expert_pass_per_stage(runs, placement):
+    assert_staged_schedule(runs[placement]["traces"], stages=STAGES[placement], attention_ranks=1)
+
+
+def test_attention_tensor_parallel_2_runs_stages_in_the_same_order_on_both_ranks(tensor_parallel_2):
+    assert_staged_schedule(tensor_parallel_2["afd"]["traces"], stages=2, attention_ranks=2)
 
 
 def test_both_ffn_servers_served_work(runs):

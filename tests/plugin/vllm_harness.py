@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from afd_devcluster import free_port
+from afd_shared_experts.trace import TRACE_DIR_ENV
 from plugin_harness import write_checkpoint
 
 HERE = Path(__file__).resolve().parent
@@ -140,10 +141,10 @@ def _write_tokenizer(directory: Path) -> None:
 
 
 def afd_block(role: str, *, port: int, attention_ranks: int = 1, ffn_ranks: int = 2, placement: str = "ffn",
-              partition: str = "affinity", tp: int = 1) -> dict:
+              partition: str = "affinity", tp: int = 1, stages: int = 1) -> dict:
     """The afd block as the operator renders it (afd_operator.planner.afd_config)."""
     return {"afd": {"role": role, "connector": "p2p", "async": True, "host": "127.0.0.1", "port": port,
-                    "num_attention_ranks": attention_ranks, "num_ffn_ranks": ffn_ranks,
+                    "num_attention_ranks": attention_ranks, "num_ffn_ranks": ffn_ranks, "num_stages": stages,
                     "compute_gate_on_attention": True, "connector_extra_config": {"attn_ranks_per_dp": tp},
                     "shared_experts": {"placement": placement, "partition": partition},
                     "timeout_seconds": 120}}
@@ -196,10 +197,12 @@ SERVE_ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len",
 
 
 def start_vllm_serve(model: Path, api_port: int, logdir: Path, name: str, *, block: dict | None = None,
-                     data_parallel: int = 1, tensor_parallel: int = 1, extra_args: tuple[str, ...] = ()) -> Proc:
+                     data_parallel: int = 1, tensor_parallel: int = 1, extra_args: tuple[str, ...] = (),
+                     trace_dir: Path | None = None) -> Proc:
     """`vllm serve` (the real console script) on 127.0.0.1:api_port, parallel flags and the
     head's metrics directory as the operator renders them (plus `extra_args`); `block` is the
-    afd config (None: plain vLLM)."""
+    afd config (None: plain vLLM); `trace_dir`: where the Attention ranks write their stage
+    traces (trace.py)."""
     argv = [vllm_console_script(), "serve", str(model), "--host", "127.0.0.1", "--port", str(api_port),
             *SERVE_ENGINE_ARGS, "--tensor-parallel-size", str(tensor_parallel), "--data-parallel-size", str(data_parallel),
             "--data-parallel-size-local", str(data_parallel), "--data-parallel-address", "127.0.0.1",
@@ -209,15 +212,19 @@ def start_vllm_serve(model: Path, api_port: int, logdir: Path, name: str, *, blo
     argv += list(extra_args)
     metrics_dir = logdir / f"{name}-prometheus"
     metrics_dir.mkdir()
-    return Proc(argv, logdir / f"{name}.log", base_env(PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)))
+    return Proc(argv, logdir / f"{name}.log", base_env(PROMETHEUS_MULTIPROC_DIR=str(metrics_dir), **trace_env(trace_dir)))
+
+
+def trace_env(trace_dir: Path | None) -> dict[str, str]:
+    return {} if trace_dir is None else {TRACE_DIR_ENV: str(trace_dir)}
 
 
 def start_ffn_servers(model: Path, block: dict, logdir: Path, count: int = 2, tag: str = "ffn",
                       extra_args: tuple[str, ...] = (), split: tuple[int, ...] | None = None,
-                      python: str | None = None) -> list[tuple[Proc, int]]:
+                      python: str | None = None, trace_dir: Path | None = None) -> list[tuple[Proc, int]]:
     """FFN servers (pods) with consecutive FFN ranks, command lines as the operator renders them
     (plus `extra_args`): `split` gives each server's rank count (default `count` servers of one
-    rank); `python` the interpreter (default the vLLM venv's)."""
+    rank); `python` the interpreter (default the vLLM venv's); `trace_dir` as for start_vllm_serve."""
     servers = []
     ffn_block = {"afd": {**block["afd"], "role": "ffn"}}
     rank_start = 0
@@ -228,7 +235,7 @@ def start_ffn_servers(model: Path, block: dict, logdir: Path, count: int = 2, ta
                 "--health-port", str(health),
                 "--max-num-batched-tokens", "512", "--dtype", "float32", "--max-model-len", "512",
                 "--additional-config", json.dumps(ffn_block), "--bind-host", "127.0.0.1", *extra_args]
-        servers.append((Proc(argv, logdir / f"{tag}-{index}.log", base_env()), health))
+        servers.append((Proc(argv, logdir / f"{tag}-{index}.log", base_env(**trace_env(trace_dir))), health))
         rank_start += local_ranks
     return servers
 
@@ -256,14 +263,15 @@ def wait_until(predicate, timeout: float, what: str, procs: list[Proc] = ()) -> 
     raise AssertionError(f"{what}: not within {timeout}s")
 
 
-def run_driver(request: dict, logdir: Path, name: str, timeout: float = 400) -> dict:
+def run_driver(request: dict, logdir: Path, name: str, timeout: float = 400, trace_dir: Path | None = None) -> dict:
     """Run vllm_driver.py (offline vllm.LLM) under the vLLM venv; returns its JSON result."""
     req_path, out_path = logdir / f"{name}.request.json", logdir / f"{name}.result.json"
     req_path.write_text(json.dumps(request))
     log = logdir / f"{name}.log"
     with open(log, "wb") as handle:
         proc = subprocess.run([vllm_python(), str(DRIVER), str(req_path), str(out_path)], stdout=handle,
-                              stderr=subprocess.STDOUT, env=base_env(), cwd=REPO_ROOT, timeout=timeout)
+                              stderr=subprocess.STDOUT, env=base_env(**trace_env(trace_dir)), cwd=REPO_ROOT,
+                              timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"driver {name} failed ({proc.returncode}):\n{log.read_text(errors='replace')[-6000:]}")
     return json.loads(out_path.read_text())

@@ -36,6 +36,7 @@ from ..roles import attention_role_rank
 from ..tp import all_gather_and_trim, shard_tokens
 from .compat import afd_config_of
 from .plugin import MODEL_WRAPPERS
+from .stages import current_stage, stage_yield
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,8 @@ class AttentionRank:
         logger.info("AFD Attention rank %d of %d (+%d FFN ranks): rendezvous at %s:%d",
                     self.rank, cfg.num_attention_ranks, cfg.num_ffn_ranks, cfg.host, cfg.port)
         self.connector.init()
+        # Micro-batches of the step the model forward is running (set by the model wrapper).
+        self.step_stages = 1
         # Tells the FFN servers this rank is done, so they end cleanly with the engine. Not
         # atexit: vLLM's workers are forked multiprocessing children, which leave through
         # os._exit after running multiprocessing's own exit finalizers (these), never atexit.
@@ -169,16 +172,21 @@ class AFDFusedMoE(FusedMoE):
                 input_ids: torch.Tensor | None = None) -> torch.Tensor:
         topk_weights, topk_ids = self.expert_selection(hidden_states, router_logits)
         rank = self.rank
+        stage = dict(stage=current_stage(), stages=rank.step_stages)
         if rank.tp_size == 1:
             # Idle DP steps arrive here too (dummy rows): they are dispatched like any other
             # step, and an empty batch still sends header-only work to every FFN rank.
-            return self.remote.forward(hidden_states, topk_ids, topk_weights)
+            pending = self.remote.dispatch(hidden_states, topk_ids, topk_weights, **stage)
+            stage_yield()  # the next micro-batch computes while the FFN side holds this one
+            return self.remote.combine(pending)
         # Every TP rank holds all tokens after the attention all-reduce: each dispatches its
         # ceil(T/TP) shard and all join the gather, also with an all-padding shard.
         x, real = shard_tokens(hidden_states, rank.tp_rank, rank.tp_size)
         ids, _ = shard_tokens(topk_ids, rank.tp_rank, rank.tp_size)
         weights, _ = shard_tokens(topk_weights, rank.tp_rank, rank.tp_size)
-        out = self.remote.forward(x, ids, weights, num_tokens=real)
+        pending = self.remote.dispatch(x, ids, weights, num_tokens=real, **stage)
+        stage_yield()
+        out = self.remote.combine(pending)
         return all_gather_and_trim(out, hidden_states.shape[0], rank.tp_group)
 
 

@@ -14,12 +14,14 @@ from collections.abc import Iterable
 from contextlib import nullcontext
 
 import torch
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
 
 from ..model import tensor_bytes
-from .experts import AFDFusedMoE, remote_experts_installed
+from .experts import AFDFusedMoE, attention_rank, remote_experts_installed
 from .compat import afd_config_of
+from .stages import MicroBatchRunner
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,8 @@ class _AFDModelMixin:
         with remote_experts_installed() if cfg is not None else nullcontext():
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.afd_placement = None if cfg is None else cfg.shared_experts.placement
+        self.afd_rank = None if cfg is None else attention_rank(vllm_config, cfg)
+        self.afd_micro_batches = MicroBatchRunner(vllm_config) if cfg is not None and cfg.num_stages > 1 else None
         if self.afd_placement == "ffn":
             for layer in self.model.layers:
                 mlp = getattr(layer, "mlp", None)
@@ -41,6 +45,19 @@ class _AFDModelMixin:
                     for name in SHARED_MODULES:
                         if getattr(mlp, name, None) is not None:
                             setattr(mlp, name, None)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        upstream = super().forward
+        slices = None
+        if self.afd_micro_batches is not None and is_forward_context_available():
+            slices = get_forward_context().ubatch_slices
+        if self.afd_rank is None:
+            return upstream(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        self.afd_rank.step_stages = 1 if slices is None else len(slices)
+        if slices is None:
+            return upstream(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        return self.afd_micro_batches.run(upstream, get_forward_context(), slices, input_ids, positions,
+                                          inputs_embeds, **kwargs)
 
     def _afd_local_only(self, weights: Iterable[tuple[str, torch.Tensor]]):
         for name, tensor in weights:

@@ -34,7 +34,7 @@ def register() -> None:
     from vllm.model_executor.model_loader import register_model_loader
 
     from .compat import install_eager_for_afd
-    from .cpu_silu_patch import apply_cpu_silu_patch
+    from .cpu_patches import apply_cpu_patches
     from .loader import LOAD_FORMAT, AFDAttentionModelLoader
 
     for arch, target in MODEL_WRAPPERS.items():
@@ -42,6 +42,7 @@ def register() -> None:
     register_model_loader(LOAD_FORMAT)(AFDAttentionModelLoader)
     # Before any VllmConfig exists: an engine with an afd block runs eager (docs/compat.md).
     install_eager_for_afd(MODEL_WRAPPERS)
-    # vLLM 0.23.0's CPU fused MoE cannot run SiLU without AVX512 (docs/compat.md); plain models too.
-    apply_cpu_silu_patch()
+    # vLLM 0.23.0's CPU fused MoE cannot run SiLU without AVX512, and its CPU rotary kernel
+    # mis-rotates 3-D query/key (docs/compat.md); plain models too.
+    apply_cpu_patches()
     _registered = True
