@@ -1,6 +1,16 @@
-"""End-to-end CPU benchmark with real vLLM 0.23.0: plain vLLM vs AFD placement 'attention'
-vs AFD placement 'ffn' (1 Attention rank + 2 FFN server processes) on a tiny DeepSeek-V2, and
-placement 'ffn' with the FFN servers' torch expert backend instead of vLLM's kernels.
+"""End-to-end CPU benchmark with real vLLM 0.23.0, two suites.
+
+--suite placements (default): plain vLLM vs AFD placement 'attention' vs AFD placement 'ffn'
+(1 Attention rank + 2 FFN server processes) on a tiny DeepSeek-V2, and placement 'ffn' with the
+FFN servers' torch expert backend instead of vLLM's kernels.
+
+--suite stages: plain vLLM, then AFD with 1, 2 and 3 micro-batch stages under each placement,
+the Attention process on core 0 and one FFN server (1 rank) on core 1, one thread each, on a
+DeepSeek-V2 large enough that attention and expert compute are several ms per layer (--hidden
+to rescale). Besides tokens/s it reports, from both sides' stage traces within the generate
+window: the Attention side's busy time (wall - waits for replies), the FFN side's (expert
+passes + replies) and the overlap efficiency (busy A + busy F) / wall: 1 is serial, 2 is both
+sides busy all the time.
 
 Run through the repo's environments (the vLLM venv runs the engines, this script does not
 import vllm):
@@ -28,16 +38,92 @@ from vllm_harness import (  # noqa: E402  (the tests' checkpoint writer and proc
     write_vllm_checkpoint,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))
+from afd_shared_experts.trace import read_traces  # noqa: E402
+
+ATTENTION_CORE, FFN_CORE = {0}, {1}
+
+
+def busy_seconds(traces: list[dict], window: list[int]) -> tuple[float, float]:
+    """(Attention busy, FFN busy) seconds inside the generate window, from the stage traces."""
+    start, end = window
+
+    def inside(kind: str, role: str) -> float:
+        return sum(max(0, min(i["end_ns"], end) - max(i["start_ns"], start)) for i in traces
+                   if i["kind"] == kind and i["role"] == role) / 1e9
+
+    wall = (end - start) / 1e9
+    return wall - inside("combine_wait", "attention"), inside("expert_pass", "ffn") + inside("reply", "ffn")
+
+
+def stages_suite(args, prompts: list[list[int]], root: Path) -> int:
+    heads = args.hidden // 128
+    model = write_vllm_checkpoint(root / "model", "deepseek_v2", hidden=args.hidden, inter=args.hidden,
+                                  intermediate_size=args.hidden, layers=4, num_attention_heads=heads,
+                                  num_key_value_heads=heads, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128,
+                                  kv_lora_rank=256)
+    request = {"model": str(model), "prompts": prompts, "max_tokens": args.max_tokens}
+    plain = run_driver(request, root, "plain", timeout=1800, cpus=ATTENTION_CORE)
+    rows = [("plain vLLM (core 0)", plain, None)]
+    for placement in ("attention", "ffn"):
+        for stages in (1, 2, 3):
+            tag = f"{placement}-s{stages}"
+            traces = root / f"traces-{tag}"
+            block = afd_block("attention", port=free_port(), placement=placement, ffn_ranks=1, stages=stages)
+            servers = start_ffn_servers(model, block, root, count=1, tag=f"ffn-{tag}", trace_dir=traces,
+                                        cpus=FFN_CORE)
+            try:
+                result = run_driver({**request, "additional_config": block, "load_format": "afd"}, root,
+                                    f"afd-{tag}", timeout=1800, trace_dir=traces, cpus=ATTENTION_CORE)
+            finally:
+                for proc, _ in servers:
+                    proc.stop()
+            rows.append((f"AFD {placement} S={stages}", result, busy_seconds(read_traces(traces),
+                                                                              result["generate_window_ns"])))
+    print(f"{args.prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} new tokens each, DeepSeek-V2 "
+          f"hidden {args.hidden}, 4 layers (3 MoE, 8 experts top-2, 1 shared), float32, eager; Attention on core 0, "
+          "1 FFN rank on core 1, 1 thread each")
+    print(f"{'configuration':<24}{'tok/s':>8}{'step ms':>9}{'busy A s':>10}{'busy F s':>10}{'overlap':>9}"
+          f"{'ids = plain':>13}")
+    tokens = args.prompts * args.max_tokens
+    for name, result, busy in rows:
+        seconds = result["generate_seconds"]
+        line = f"{name:<24}{tokens / seconds:>8.1f}{1000 * seconds / args.max_tokens:>9.1f}"
+        if busy is None:
+            line += f"{'':>29}"
+        else:
+            line += f"{busy[0]:>10.2f}{busy[1]:>10.2f}{(busy[0] + busy[1]) / seconds:>9.2f}"
+        same = "" if busy is None else ("yes" if result["token_ids"] == plain["token_ids"] else "NO")
+        print(line + f"{same:>13}")
+    by_name = {name: result["generate_seconds"] for name, result, _ in rows}
+    for placement in ("attention", "ffn"):
+        s1 = by_name[f"AFD {placement} S=1"]
+        print(f"{placement}: tok/s S=2 / S=1 = {s1 / by_name[f'AFD {placement} S=2']:.2f}, "
+              f"S=3 / S=1 = {s1 / by_name[f'AFD {placement} S=3']:.2f}")
+    print(f"S=2: tok/s ffn / attention = {by_name['AFD attention S=2'] / by_name['AFD ffn S=2']:.2f}")
+    for name, result, busy in rows:
+        if busy is not None and name.endswith("S=1") and busy[0] + busy[1] < 0.5 * result["generate_seconds"]:
+            print(f"{name}: overhead dominates (compute {100 * (busy[0] + busy[1]) / result['generate_seconds']:.0f}% "
+                  "of the step)")
+    return 0
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--suite", choices=("placements", "stages"), default="placements")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=1024, help="--suite stages: hidden size (a multiple of 128)")
     args = p.parse_args()
+    if args.hidden % 128:
+        p.error(f"--hidden: must be a multiple of 128 (got {args.hidden})")
     rng = random.Random(0)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     install_testbed_plugin()
+    if args.suite == "stages":
+        with tempfile.TemporaryDirectory() as tmp:
+            return stages_suite(args, prompts, Path(tmp))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -11,7 +12,8 @@ from afd_operator.api import AFDDeploymentSpec
 from afd_operator.planner import plan
 from afd_operator.revision import revision_of
 from afd_operator.validation import validate_object
-from afd_shared_experts.config import AFDConfig, AFDConfigError, SharedExpertsConfig
+from afd_operator.render import additional_config_json
+from afd_shared_experts.config import AFDConfig, AFDConfigError, SharedExpertsConfig, parse_afd_config
 
 
 def spec_of(**overrides: Any) -> AFDDeploymentSpec:
@@ -160,3 +162,21 @@ def test_examples_plan(examples: list) -> None:
             p = plan(obj.spec, obj.metadata.name, obj.metadata.namespace)
             assert len(p.instances) == obj.spec.replicas
             assert all(len(name) <= 63 for i in p.instances for name in [i.name, *(pod.name for pod in i.pods)])
+
+
+@pytest.mark.parametrize("overrides, stages", [
+    ({"platform": "cpu"}, 2),  # the default where stages run
+    ({}, 1),  # Ascend: stages are untested there, so not on by default
+    ({"platform": "cpu", "async": {"stages": 3}}, 3),
+    ({"platform": "cpu", "attention": {"engineArgs": ["--speculative-config", "{}"]}}, 1),
+    ({"platform": "cpu", "attention": {"engineArgs": ["--pipeline-parallel-size=2"]}}, 1),
+    ({"platform": "cpu", "attention": {"engineArgs": ["--pipeline-parallel-size", "1"]}}, 2),
+    ({"platform": "cpu", "attention": {"engineArgs": ["--enable-dbo"]}}, 1),
+    ({"platform": "cpu", "model": {"name": "m", "path": "/models/m", "maxNumBatchedTokens": 1}}, 1),
+])
+def test_both_roles_get_the_micro_batch_stage_count(overrides: dict, stages: int) -> None:
+    for inst in plan(spec_of(**overrides), "ds", "ns").instances:
+        assert {pod.afd_config.num_stages for pod in inst.pods} == {stages}
+        # What the pods read back from their command line.
+        for pod in inst.pods:
+            assert parse_afd_config(json.loads(additional_config_json(pod))).num_stages == stages

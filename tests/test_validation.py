@@ -53,6 +53,11 @@ MALFORMED = [
     ("spec.connector.port", 0, "spec.connector.port", "greater than or equal to 1"),
     ("spec.connector.port", 70000, "spec.connector.port", "less than or equal to 65535"),
     ("spec.connector.port", 8000, "spec.connector.port", "collides with spec.service.port"),
+    ("spec.async.stages", 0, "spec.async.stages", "greater than or equal to 1"),
+    ("spec.async.stages", 9, "spec.async.stages", "less than or equal to 8"),
+    ("spec.async.stages", 2, "spec.async.stages", "must be 1 here: micro-batch stages run on vLLM's CPU model runner "
+     "only in this version (platform ascend: untested) (got 2)"),
+    ("spec.async.steps", 2, "spec.async.steps", "unknown field"),
     ("spec.attention.dataParallel", 0, "spec.attention.dataParallel", "greater than or equal to 1"),
     ("spec.attention.tensorParallel", 3, "spec.attention.tensorParallel", "must divide attention.devicesPerPod"),
     ("spec.attention.devicesPerPod", 3, "spec.attention.devicesPerPod", "multiple of devicesPerPod (3) or fit in one pod"),
@@ -111,6 +116,23 @@ def test_malformed_spec_names_field_and_rule(change: str, value: Any, path: str,
     matching = [p for p in problems if p.path == path]
     assert matching, f"no problem at {path}; got {[str(p) for p in problems]}"
     assert any(rule in p.message for p in matching), [str(p) for p in matching]
+
+
+@pytest.mark.parametrize("change, value, rule", [
+    ("spec.attention.engineArgs", ["--enable-dbo"], "must be 1 here: vLLM's own micro-batching"),
+    ("spec.attention.engineArgs", ["--worker-cls=my.Worker"], "must be 1 here: micro-batch stages need the plugin's worker"),
+    ("spec.model.maxNumBatchedTokens", 2, "must be <= model.maxNumBatchedTokens (2): a step cannot hold more requests "
+                                          "than tokens (got 3)"),
+])
+def test_stages_refused_where_they_cannot_run_on_cpu(change: str, value: Any, rule: str) -> None:
+    obj = with_change("spec.platform", "cpu")
+    obj["spec"]["async"] = {"stages": 3}
+    obj = set_path(obj, change, value)
+    assert validate_object(obj)[0] is None
+    problems = [str(p) for p in validate_object(obj)[1]]
+    assert any(p.startswith("spec.async.stages: " + rule) for p in problems), problems
+    obj["spec"]["async"] = {}  # the default quietly runs one stage there
+    assert validate_object(obj)[1] == [] or change == "spec.model.maxNumBatchedTokens"
 
 
 def test_all_problems_reported_at_once() -> None:

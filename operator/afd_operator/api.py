@@ -15,6 +15,8 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from afd_shared_experts.config import MAX_STAGES
+
 GROUP = "afd.inference.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -157,6 +159,14 @@ class ConnectorSpec(Strict):
         "(attn_ranks_per_dp = attention.tensorParallel); the plugin's parser refuses keys it does not know.",
         json_schema_extra=FREE_FORM
     )
+
+
+class AsyncSpec(Strict):
+    stages: Optional[int] = Field(
+        None, ge=1, le=MAX_STAGES,
+        description="Micro-batch stages of each Attention step, ping-pong with the FFN side (the FFN computes one "
+        "micro-batch while the Attention side computes the next). Default: 2 where the platform and "
+        "attention.engineArgs allow stages, else 1.")
 
 
 class AttentionSpec(Strict):
@@ -309,6 +319,8 @@ class AFDDeploymentSpec(Strict):
     model: ModelSpec
     shared_experts: SharedExpertsSpec = Field(default_factory=SharedExpertsSpec)
     connector: ConnectorSpec = Field(default_factory=ConnectorSpec)
+    # `async` is a Python keyword: the field keeps a trailing underscore, the API name is `async`.
+    async_: AsyncSpec = Field(default_factory=AsyncSpec, alias="async")
     attention: AttentionSpec = Field(default_factory=AttentionSpec)
     ffn: FFNSpec = Field(default_factory=FFNSpec)
     ascend: AscendSpec = Field(default_factory=AscendSpec)

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Literal, Optional, Union
 
-from afd_shared_experts.config import AFDConfig, SharedExpertsConfig
+from afd_shared_experts.config import AFDConfig, SharedExpertsConfig, stage_limit
 
 from . import naming
 from .api import AFDDeploymentSpec
@@ -164,6 +164,49 @@ class Plan:
         return self.attention.pods + self.ffn.pods
 
 
+def _flag_values(args: Iterable[str]) -> dict[str, Optional[str]]:
+    """Engine arguments by flag: `--flag=value`, `--flag value`, or a bare `--flag` (None)."""
+    args = list(args)
+    values: dict[str, Optional[str]] = {}
+    for i, arg in enumerate(args):
+        if not arg.startswith("-"):
+            continue
+        flag, equals, value = arg.partition("=")
+        following = args[i + 1] if i + 1 < len(args) else None
+        values[flag] = value if equals else (following if following is not None and not following.startswith("-")
+                                             else None)
+    return values
+
+
+def _int_flag(values: dict[str, Optional[str]], *flags: str, default: int) -> int:
+    for flag in flags:
+        if flag in values:
+            try:
+                return int(values[flag] or default)
+            except ValueError:
+                return default + 1  # unreadable: treated as set, so the stage rule refuses it
+    return default
+
+
+def spec_stage_limit(spec: AFDDeploymentSpec) -> tuple[int, str]:
+    """The plugin's stage rule (`stage_limit`) for the Attention engines this spec renders."""
+    values = _flag_values(spec.attention.engine_args)
+    worker_cls = values.get("--worker-cls", "auto")
+    return stage_limit(
+        platform=spec.platform,
+        worker_cls=None if worker_cls in ("auto", None) else worker_cls,
+        speculative="--speculative-config" in values,
+        pipeline_parallel=_int_flag(values, "--pipeline-parallel-size", "-pp", default=1),
+        vllm_micro_batching="--enable-dbo" in values or _int_flag(values, "--ubatch-size", default=0) > 1)
+
+
+def resolve_stages(spec: AFDDeploymentSpec) -> int:
+    """Micro-batch stages per Attention step: spec.async.stages, else 2 where allowed, else 1."""
+    if spec.async_.stages is not None:
+        return spec.async_.stages
+    return 2 if spec_stage_limit(spec)[0] >= 2 and spec.model.max_num_batched_tokens >= 2 else 1
+
+
 def afd_config(spec: AFDDeploymentSpec, role: Role, host: str, port: int) -> AFDConfig:
     """The plugin's config of one pod. Raises the plugin's `AFDConfigError` (a block path
     and the rule) when the spec's connector name or extraConfig is one the pods refuse."""
@@ -174,6 +217,7 @@ def afd_config(spec: AFDDeploymentSpec, role: Role, host: str, port: int) -> AFD
         port=port,
         num_attention_ranks=spec.attention.data_parallel * spec.attention.tensor_parallel,
         num_ffn_ranks=spec.ffn.ranks,
+        num_stages=resolve_stages(spec),
         attn_ranks_per_dp=spec.attention.tensor_parallel,
         connector_extra_config=spec.connector.extra_config,
         shared_experts=SharedExpertsConfig(placement=spec.shared_experts.placement,

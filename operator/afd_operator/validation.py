@@ -18,7 +18,8 @@ from pydantic import ValidationError
 
 from . import naming
 from .api import AFDDeployment, AFDDeploymentSpec, EnvVar
-from .planner import attention_layout, ffn_layout, instance_ports, role_configs, rollout_budget, uses_host_network
+from .planner import (attention_layout, ffn_layout, instance_ports, role_configs, rollout_budget, spec_stage_limit,
+                      uses_host_network)
 from .revision import REVISION_LENGTH, revision_of
 
 PORT_MAX = 65535
@@ -121,6 +122,19 @@ def _check_engine_args(spec: AFDDeploymentSpec) -> list[Problem]:
     return problems
 
 
+def _check_stages(spec: AFDDeploymentSpec) -> list[Problem]:
+    stages = spec.async_.stages
+    if stages is None:
+        return []
+    limit, why = spec_stage_limit(spec)
+    if stages > limit:
+        return [Problem("spec.async.stages", f"must be 1 here: {why} (got {stages})")]
+    if stages > spec.model.max_num_batched_tokens:
+        return [Problem("spec.async.stages", f"must be <= model.maxNumBatchedTokens ({spec.model.max_num_batched_tokens}"
+                                             f"): a step cannot hold more requests than tokens (got {stages})")]
+    return []
+
+
 def _check_layout(spec: AFDDeploymentSpec) -> list[Problem]:
     problems = []
     att = spec.attention
@@ -220,6 +234,7 @@ _PLUGIN_FIELDS = {
     "afd.port": "spec.connector.port",
     "afd.host": "spec.clusterDomain",
     "afd.shared_experts": "spec.sharedExperts",
+    "afd.num_stages": "spec.async.stages",
 }
 
 
@@ -257,6 +272,7 @@ def check_spec(spec: AFDDeploymentSpec, name: str, namespace: str = "default") -
     max_index = max(spec.replicas + budget.surge - 1, 0)
     problems += _check_ports(spec, max_index)
     problems += _check_engine_args(spec)
+    problems += _check_stages(spec)
     problems += _check_env("spec.attention.env", spec.attention.env)
     problems += _check_env("spec.ffn.env", spec.ffn.env)
     if spec.recovery.max_backoff_seconds < spec.recovery.backoff_seconds:

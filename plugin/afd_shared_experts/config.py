@@ -55,6 +55,29 @@ DATA_PLANES = ("auto", "direct", "staged")
 SHARED_KEYS = ("placement", "partition")
 
 
+# The most micro-batch stages an Attention step runs (the FFN side bounds the header's count higher).
+MAX_STAGES = 8
+
+
+def stage_limit(*, platform: str, worker_cls: str | None = None, speculative: bool = False,
+                pipeline_parallel: int = 1, vllm_micro_batching: bool = False) -> tuple[int, str]:
+    """The most micro-batch stages an Attention engine with these settings may run, and why
+    not more (empty when the limit is ``MAX_STAGES``). One rule for the operator (from a spec)
+    and the vLLM glue (from an engine config)."""
+    if platform != "cpu":
+        return 1, (f"micro-batch stages run on vLLM's CPU model runner only in this version (platform {platform}: "
+                   "untested)")
+    if worker_cls is not None:
+        return 1, f"micro-batch stages need the plugin's worker; --worker-cls {worker_cls} was given"
+    if speculative:
+        return 1, "speculative decoding is not supported with micro-batch stages"
+    if pipeline_parallel > 1:
+        return 1, f"pipeline parallel is not supported with micro-batch stages (size {pipeline_parallel})"
+    if vllm_micro_batching:
+        return 1, "vLLM's own micro-batching (--enable-dbo / --ubatch-size) is not combined with these stages"
+    return MAX_STAGES, ""
+
+
 class AFDConfigError(ValueError):
     """Invalid ``afd`` configuration; the message starts with the field path."""
 
@@ -229,7 +252,7 @@ def parse_afd_config(additional_config: Mapping[str, Any]) -> AFDConfig:
     if not isinstance(host, str) or not host.strip() or any(c.isspace() for c in host):
         raise AFDConfigError("afd.host", "must be a non-empty IP address or DNS name", host)
     port = _as_int(raw.get("port", DEFAULT_RENDEZVOUS_PORT), "afd.port", minimum=1, maximum=65535)
-    num_stages = _as_int(raw.get("num_stages", 1), "afd.num_stages", minimum=1, maximum=64)
+    num_stages = _as_int(raw.get("num_stages", 1), "afd.num_stages", minimum=1, maximum=MAX_STAGES)
     gate_on_attention = _as_bool(raw.get("compute_gate_on_attention", True), "afd.compute_gate_on_attention")
 
     extra = _check_keys(raw.get("connector_extra_config", {}), EXTRA_KEYS, "afd.connector_extra_config")
@@ -263,6 +286,11 @@ def parse_afd_config(additional_config: Mapping[str, Any]) -> AFDConfig:
                 "'ffn' requires afd.compute_gate_on_attention: true",
                 shared.placement,
             )
+    if num_stages > 1 and not (async_dp and CONNECTORS[connector]):
+        # Micro-batches of a step are dispatched before the first is combined: the FFN side
+        # must serve work in arrival order, as the async, header-driven path does.
+        raise AFDConfigError("afd.num_stages", "more than 1 stage needs an async connector (afd.async: true)",
+                             num_stages)
     if dynamic_quant and shared.placement == "ffn":
         raise AFDConfigError(
             "afd.connector_extra_config.dynamicQuant",

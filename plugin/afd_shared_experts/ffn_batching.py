@@ -14,6 +14,8 @@ Who is awaited for a key (step, layer, stage), besides the ranks whose head has 
   without waiting for their replies);
 - for a stage s > 0: only ranks that run more than s stages of that (step, layer) and have not
   sent stage s yet (a rank running fewer stages in a step never sends stage s);
+- for stage 0: also a rank that still owes later stages of an earlier layer (it sends those
+  first; the rank that ran fewer stages is a layer or a step ahead meanwhile);
 - a rank whose last item's key is not below the group's: never (its keys only grow);
 - a rank that has sent work before: for as long as it takes (Attention ranks run their forwards
   in lockstep, as vLLM runs data-parallel MoE engines; a lost rank ends the wait through the
@@ -117,12 +119,16 @@ class StageBatcher:
             self._queues[source].clear()
 
     def _may_send(self, source: int, key: GroupKey) -> bool:
-        """Whether ``source`` (no queued item) can still send ``key`` before anything else."""
+        """Whether ``source`` (no queued item) will still send ``key``: every stage 0 above its
+        last key (ranks run every layer of every step), a later stage only while that layer's
+        stages are due (how many stages a rank runs in a step, its stage 0 said). A rank still
+        owing stages of an earlier layer sends those first, then this key: a rank that ran
+        fewer stages of that layer may be a step ahead meanwhile."""
+        if key[2] == 0:
+            last = self._last.get(source)
+            return last is None or key > last
         due = self._due[source]
-        if due is not None:
-            return due[0] == key
-        last = self._last.get(source)
-        return key[2] == 0 and (last is None or key > last)
+        return due is not None and due[0] == key
 
     def _next(self) -> tuple[GroupKey, list[int], list[int], float] | None:
         """(key, sources holding it at their head, sources still awaited, first arrival)."""

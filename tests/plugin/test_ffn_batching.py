@@ -56,6 +56,23 @@ def test_a_rank_with_fewer_stages_is_not_awaited_for_the_later_stages():
     assert batcher.seconds_to_deadline(now=0.2, gather_window=WINDOW) is None
 
 
+def test_a_rank_ahead_after_fewer_stages_waits_for_the_rank_still_owing_stages():
+    # Rank 1 ran step 0's last layer in one stage and went on to step 1 while rank 0 still owes
+    # stage 1 of that layer (seen with vLLM DP engines): step 1 waits for rank 0, not going alone.
+    batcher = StageBatcher([0, 1])
+    batcher.add(work(0, 2, 0, stages=2), now=0.0)
+    batcher.add(work(1, 2, 0, stages=1), now=0.0)
+    assert keys(batcher.pop_group(now=0.0, gather_window=WINDOW)) == [(0, 0, 2, 0), (1, 0, 2, 0)]
+    batcher.add(work(1, 1, 0, step=1, stages=2), now=0.1)
+    assert batcher.pop_group(now=5.0, gather_window=WINDOW) is None
+    batcher.add(work(0, 2, 1, stages=2), now=5.0)
+    assert keys(batcher.pop_group(now=5.0, gather_window=WINDOW)) == [(0, 0, 2, 1)]
+    assert batcher.pop_group(now=5.0, gather_window=WINDOW) is None
+    batcher.add(work(0, 1, 0, step=1, stages=1), now=5.1)
+    assert keys(batcher.pop_group(now=5.1, gather_window=WINDOW)) == [(0, 1, 1, 0), (1, 1, 1, 0)]
+    assert batcher.partial_groups == 0
+
+
 def test_later_items_of_one_rank_wait_behind_its_earlier_ones():
     batcher = StageBatcher([0, 1])
     for layer in (1, 2):

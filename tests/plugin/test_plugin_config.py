@@ -5,9 +5,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from afd_shared_experts.config import (
-    CONNECTORS, DATA_PLANES, EXTRA_KEYS, PARTITIONS, PLACEMENTS, ROLES, SHARED_KEYS, TOP_LEVEL_KEYS, AFDConfig,
+    CONNECTORS, DATA_PLANES, EXTRA_KEYS, MAX_STAGES, PARTITIONS, PLACEMENTS, ROLES, SHARED_KEYS, TOP_LEVEL_KEYS, AFDConfig,
     AFDConfigError,
-    SharedExpertsConfig, parse_afd_config,
+    SharedExpertsConfig, parse_afd_config, stage_limit,
 )
 
 BASE = {"role": "attention", "num_attention_ranks": 4, "num_ffn_ranks": 2}
@@ -56,6 +56,8 @@ def test_afd_plugin_aliases_and_string_numbers():
      "compute_gate_on_attention"),
     ({"shared_experts": {"placement": "ffn"}, "connector_extra_config": {"dynamicQuant": 1}},
      "afd.connector_extra_config.dynamicQuant", "not supported"),
+    ({"num_stages": 2, "async": False}, "afd.num_stages", "more than 1 stage needs an async connector"),
+    ({"num_stages": MAX_STAGES + 1}, "afd.num_stages", f"[1, {MAX_STAGES}]"),
     ({"metrics_port": 1239}, "afd.metrics_port", "must differ from afd.port"),
     ({"timeout_seconds": 0}, "afd.timeout_seconds", "positive"),
     ({"role": "ffn", "afd_role": "ffn"}, "afd.afd_role", "duplicates"),
@@ -96,6 +98,7 @@ def afd_configs(draw) -> AFDConfig:
     attn_per_dp = draw(st.integers(min_value=1, max_value=16))
     placement = draw(st.sampled_from(PLACEMENTS))
     ffn_placement = placement == "ffn"  # needs async + gate on Attention, refuses quantized dispatch
+    num_stages = draw(st.integers(min_value=1, max_value=MAX_STAGES))  # more than one needs async
     port = draw(st.integers(min_value=1, max_value=65535))
     # A probe port may not be the rendezvous port (0, "pick one", never is).
     metrics_port, health_port = (draw(PROBE_PORTS.filter(lambda p: p != port)) for _ in range(2))
@@ -104,10 +107,10 @@ def afd_configs(draw) -> AFDConfig:
         num_attention_ranks=attn_per_dp * draw(st.integers(min_value=1, max_value=64)),
         num_ffn_ranks=draw(st.integers(min_value=1, max_value=1024)),
         connector=draw(st.sampled_from(sorted(CONNECTORS))),
-        async_dp=True if ffn_placement else draw(st.booleans()),
+        async_dp=True if ffn_placement or num_stages > 1 else draw(st.booleans()),
         host=draw(HOSTS),
         port=port,
-        num_stages=draw(st.integers(min_value=1, max_value=64)),
+        num_stages=num_stages,
         compute_gate_on_attention=True if ffn_placement else draw(st.booleans()),
         attn_ranks_per_dp=attn_per_dp,
         dynamic_quant=0 if ffn_placement else draw(st.integers(min_value=0, max_value=1)),
@@ -153,3 +156,19 @@ def test_build_refuses_what_the_parser_refuses(raw, path, rule):
     with pytest.raises(AFDConfigError) as info:
         AFDConfig.build(role="attention", num_attention_ranks=4, num_ffn_ranks=2, **raw)
     assert info.value.path == path and rule in str(info.value)
+
+
+@pytest.mark.parametrize("settings, reason", [
+    (dict(platform="ascend"), "CPU model runner only in this version (platform ascend: untested)"),
+    (dict(platform="cpu", worker_cls="my.Worker"), "--worker-cls my.Worker was given"),
+    (dict(platform="cpu", speculative=True), "speculative decoding"),
+    (dict(platform="cpu", pipeline_parallel=2), "pipeline parallel"),
+    (dict(platform="cpu", vllm_micro_batching=True), "--enable-dbo"),
+])
+def test_stage_limit_says_why_a_world_runs_one_stage(settings, reason):
+    limit, why = stage_limit(**settings)
+    assert limit == 1 and reason in why
+
+
+def test_stage_limit_allows_every_stage_count_on_cpu():
+    assert stage_limit(platform="cpu") == (MAX_STAGES, "")

@@ -7,7 +7,12 @@ for each of DeepSeek-V2, DeepSeek-V3 and Qwen2-MoE: plain `vllm serve` (the refe
 completions); AFD `vllm serve` (readiness of the FFN servers, the same completions, then SIGTERM
 to an FFN server during a streamed request); a restart of both sides; AFD with Attention data
 parallel 2 (compared with plain vLLM at DP 1: plain vLLM cannot run a MoE model at DP 2 on CPU,
-TESTBED.md). Requests are sent one at a time, so every server runs the same batches.
+TESTBED.md). Requests are sent one at a time, so every server runs the same batches, with one
+stage per step. The DP 2 phase then runs micro-batch stages (afd.num_stages 2): the prompts
+sent at once, with a longer one, so steps hold several requests on each engine (two stages),
+then one (a single stage) while the other engine idles (dummy steps); the stage traces of
+both sides show the ping-pong and the FFN computing one micro-batch while the Attention side
+computes the next.
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ import signal
 import subprocess
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from afd_shared_experts.model import load_spec
+from afd_shared_experts.trace import read_traces
+from stage_traces import assert_staged_schedule, by_key, overlapped_layers, stages_per_layer
 from vllm_harness import (
     MAX_TOKENS,
     PROMPTS,
@@ -46,6 +54,9 @@ START_TIMEOUT = 300
 CONNECTOR_TIMEOUT = 15
 # Long enough that the FFN server is still serving this request when it gets SIGTERM.
 LONG_REQUEST_TOKENS = 400
+# The request that keeps one DP engine busy after the others end (greedy: its first MAX_TOKENS
+# ids are the reference's).
+LONG_TOKENS = 3 * MAX_TOKENS
 
 
 MODELS = ("deepseek_v2", "deepseek_v3", "qwen2_moe")
@@ -71,11 +82,24 @@ def served_model(port: int) -> str:
         return json.loads(response.read())["data"][0]["id"]
 
 
+def complete(port: int, name: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict:
+    return post(port, "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                           "ignore_eos": True, "return_token_ids": True})["choices"][0]
+
+
 def completions(port: int) -> list[dict]:
     name = served_model(port)
-    return [post(port, "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                                           "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-                 )["choices"][0] for prompt in PROMPTS]
+    return [complete(port, name, prompt) for prompt in PROMPTS]
+
+
+def concurrent_completions(port: int) -> tuple[list[dict], dict]:
+    """PROMPTS all at once, with PROMPTS[0] also asked for LONG_TOKENS (it runs on after the
+    others end): (the PROMPTS completions, the long one)."""
+    name = served_model(port)
+    with ThreadPoolExecutor(len(PROMPTS) + 1) as pool:
+        long = pool.submit(complete, port, name, PROMPTS[0], LONG_TOKENS)
+        short = [pool.submit(complete, port, name, prompt) for prompt in PROMPTS]
+        return [future.result() for future in short], long.result()
 
 
 def text_and_ids(choices: list[dict]) -> list[tuple[str, list[int]]]:
@@ -193,20 +217,24 @@ def data_parallel_2(model, tmp_path_factory):
     kubelet signals a container's first process), with the --shutdown-timeout the operator
     renders; the FFN servers are left to end by themselves."""
     logdir = tmp_path_factory.mktemp("dp2")
-    block = afd_block("attention", port=free_port(), attention_ranks=2)
+    traces = logdir / "traces"
+    block = afd_block("attention", port=free_port(), attention_ranks=2, stages=2)
     api_port = free_port()
-    servers = start_ffn_servers(model, block, logdir)
+    servers = start_ffn_servers(model, block, logdir, trace_dir=traces)
     procs = [proc for proc, _ in servers]
     try:
         api = start_vllm_serve(model, api_port, logdir, "attention", block=block, data_parallel=2,
-                               extra_args=("--shutdown-timeout", "15"))
+                               extra_args=("--shutdown-timeout", "15"), trace_dir=traces)
         procs.append(api)
         wait_serving(api, api_port, procs[:-1])
         result = {"completions": completions(api_port), "ffn_ready": [http_status(port, "/ready") for _, port in servers]}
+        result["concurrent"], result["long"] = concurrent_completions(api_port)
         api.signal(signal.SIGTERM)
         result["attention_exit"] = api.wait(60)
         result["ffn_exits"] = [proc.wait(60) for proc, _ in servers]
         result["ffn_logs"] = [proc.log() for proc, _ in servers]
+        # Read once every process ended: engines run dummy steps for a while after the last request.
+        result["traces"] = read_traces(traces)
         return result
     finally:
         stop_all(procs)
@@ -270,6 +298,24 @@ def test_attention_data_parallel_2_answers_like_plain_vllm(data_parallel_2, refe
     # An FFN server is ready only once the whole 2 + 2 world joined: both engine cores are in.
     assert data_parallel_2["ffn_ready"] == [200, 200]
     assert text_and_ids(data_parallel_2["completions"]) == text_and_ids(reference)
+
+
+def test_requests_sent_at_once_run_in_stages_and_answer_like_plain_vllm(data_parallel_2, reference):
+    assert text_and_ids(data_parallel_2["concurrent"]) == text_and_ids(reference)
+    assert data_parallel_2["long"]["token_ids"][:MAX_TOKENS] == reference[0]["token_ids"]
+    assert len(data_parallel_2["long"]["token_ids"]) == LONG_TOKENS
+    counts = assert_staged_schedule(data_parallel_2["traces"], stages=2, attention_ranks=2)
+    # Both kinds of steps ran: split ones and single-stage ones (one request, or an idle
+    # engine's dummy step), and the FFN merged both engines' rows into one pass.
+    assert 0 < counts["staged_layers"] < counts["layers"] and counts["merged_passes"] > 0, counts
+    per_layer = stages_per_layer(by_key(data_parallel_2["traces"], "attention", "dispatch"))
+    assert {count for (rank, *_), count in per_layer.items()} == {1, 2}
+
+
+def test_the_ffn_computes_a_micro_batch_while_the_attention_side_computes_the_next(data_parallel_2):
+    # From both processes' traces: an FFN expert pass of micro-batch 0 ran between an Attention
+    # rank's dispatch of micro-batch 0 and its dispatch of micro-batch 1 of the same layer.
+    assert overlapped_layers(data_parallel_2["traces"]) > 0
 
 
 def test_ffn_servers_end_with_exit_0_after_the_attention_side_is_terminated(data_parallel_2):

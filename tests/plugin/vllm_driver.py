@@ -4,9 +4,12 @@ python vllm_driver.py REQUEST.json RESULT.json
 REQUEST: {"model", "prompts" (token ids), "max_tokens", "additional_config" (optional),
           "tensor_parallel_size" (optional, default 1), "load_format" (optional, default "auto"),
           "enforce_eager" (optional, default true; false: vLLM's default compilation settings),
-          "config_only" (optional: build the engine config only, no engine, no generation)}
+          "config_only" (optional: build the engine config only, no engine, no generation),
+          "worker_cls" (optional: vLLM's --worker-cls)}
 RESULT: {"graph_mode": {"enforce_eager", "compilation_mode", "cudagraph_mode"} of the engine config,
-         "token_ids": [[...] per prompt], "generate_seconds", "parameter_bytes": [per worker],
+         "worker_cls": the engine config's worker class,
+         "token_ids": [[...] per prompt], "generate_seconds", "generate_window_ns" ([start, end] on the host's
+         monotonic clock, as stage traces record), "parameter_bytes": [per worker],
          "experts_classes": [per worker: class names of the MoE layers' experts],
          "fused_moe_registered": [per worker: the out-of-tree FusedMoE class in force after the build],
          "remote_tensors_read": [per worker: remote-expert tensors read from disk, AFD runs only]}
@@ -46,22 +49,27 @@ def main() -> None:
     kwargs = {"additional_config": request["additional_config"]} if request.get("additional_config") else {}
     if request.get("enforce_eager", True):
         kwargs["enforce_eager"] = True
+    if request.get("worker_cls"):
+        kwargs["worker_cls"] = request["worker_cls"]
     engine_args = dict(model=request["model"], dtype="float32", max_model_len=512, max_num_batched_tokens=512,
                        max_num_seqs=8, seed=0, tensor_parallel_size=request.get("tensor_parallel_size", 1),
                        load_format=request.get("load_format", "auto"), **kwargs)
     if request.get("config_only"):
-        result = {"graph_mode": graph_mode(EngineArgs(**engine_args).create_engine_config())}
+        config = EngineArgs(**engine_args).create_engine_config()
+        result = {"graph_mode": graph_mode(config), "worker_cls": config.parallel_config.worker_cls}
         with open(sys.argv[2], "w") as handle:
             json.dump(result, handle)
         return
     llm = LLM(**engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
-    started = time.perf_counter()
+    started, window_start = time.perf_counter(), time.monotonic_ns()
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    window = [window_start, time.monotonic_ns()]
     result = {"graph_mode": graph_mode(llm.llm_engine.vllm_config),
               "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
               "generate_seconds": time.perf_counter() - started,
+              "generate_window_ns": window,
               "parameter_bytes": llm.apply_model(model_parameter_bytes),
               "experts_classes": llm.apply_model(experts_classes),
               "fused_moe_registered": llm.apply_model(fused_moe_registered)}

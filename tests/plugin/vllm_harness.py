@@ -150,14 +150,21 @@ def afd_block(role: str, *, port: int, attention_ranks: int = 1, ffn_ranks: int 
                     "timeout_seconds": 120}}
 
 
+def pinned_to(cpus: set[int] | None):
+    """A subprocess preexec_fn that pins the child (and what it starts) to `cpus`; None: unpinned."""
+    if cpus is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
 class Proc:
     """A subprocess with its log file; stopped by pid (never by name)."""
 
-    def __init__(self, argv: list[str], log: Path, env: dict[str, str]):
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str], cpus: set[int] | None = None):
         self.log_path = log
         self._log = open(log, "wb")
         self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
-                                      start_new_session=True)
+                                      start_new_session=True, preexec_fn=pinned_to(cpus))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -221,10 +228,12 @@ def trace_env(trace_dir: Path | None) -> dict[str, str]:
 
 def start_ffn_servers(model: Path, block: dict, logdir: Path, count: int = 2, tag: str = "ffn",
                       extra_args: tuple[str, ...] = (), split: tuple[int, ...] | None = None,
-                      python: str | None = None, trace_dir: Path | None = None) -> list[tuple[Proc, int]]:
+                      python: str | None = None, trace_dir: Path | None = None,
+                      cpus: set[int] | None = None) -> list[tuple[Proc, int]]:
     """FFN servers (pods) with consecutive FFN ranks, command lines as the operator renders them
     (plus `extra_args`): `split` gives each server's rank count (default `count` servers of one
-    rank); `python` the interpreter (default the vLLM venv's); `trace_dir` as for start_vllm_serve."""
+    rank); `python` the interpreter (default the vLLM venv's); `trace_dir` as for start_vllm_serve;
+    `cpus`: the cores they run on (default any)."""
     servers = []
     ffn_block = {"afd": {**block["afd"], "role": "ffn"}}
     rank_start = 0
@@ -235,7 +244,7 @@ def start_ffn_servers(model: Path, block: dict, logdir: Path, count: int = 2, ta
                 "--health-port", str(health),
                 "--max-num-batched-tokens", "512", "--dtype", "float32", "--max-model-len", "512",
                 "--additional-config", json.dumps(ffn_block), "--bind-host", "127.0.0.1", *extra_args]
-        servers.append((Proc(argv, logdir / f"{tag}-{index}.log", base_env(**trace_env(trace_dir))), health))
+        servers.append((Proc(argv, logdir / f"{tag}-{index}.log", base_env(**trace_env(trace_dir)), cpus), health))
         rank_start += local_ranks
     return servers
 
@@ -263,15 +272,17 @@ def wait_until(predicate, timeout: float, what: str, procs: list[Proc] = ()) -> 
     raise AssertionError(f"{what}: not within {timeout}s")
 
 
-def run_driver(request: dict, logdir: Path, name: str, timeout: float = 400, trace_dir: Path | None = None) -> dict:
-    """Run vllm_driver.py (offline vllm.LLM) under the vLLM venv; returns its JSON result."""
+def run_driver(request: dict, logdir: Path, name: str, timeout: float = 400, trace_dir: Path | None = None,
+               cpus: set[int] | None = None) -> dict:
+    """Run vllm_driver.py (offline vllm.LLM) under the vLLM venv, on `cpus` (default any);
+    returns its JSON result."""
     req_path, out_path = logdir / f"{name}.request.json", logdir / f"{name}.result.json"
     req_path.write_text(json.dumps(request))
     log = logdir / f"{name}.log"
     with open(log, "wb") as handle:
         proc = subprocess.run([vllm_python(), str(DRIVER), str(req_path), str(out_path)], stdout=handle,
                               stderr=subprocess.STDOUT, env=base_env(**trace_env(trace_dir)), cwd=REPO_ROOT,
-                              timeout=timeout)
+                              timeout=timeout, preexec_fn=pinned_to(cpus))
     if proc.returncode != 0:
         raise AssertionError(f"driver {name} failed ({proc.returncode}):\n{log.read_text(errors='replace')[-6000:]}")
     return json.loads(out_path.read_text())

@@ -101,30 +101,28 @@ STAGED_WORKER = "afd_shared_experts.vllm.worker.AFDCPUWorker"
 def install_staged_worker(vllm_config: Any) -> None:
     """An Attention engine with ``afd.num_stages > 1`` runs the plugin's worker, whose model
     runner splits each step into micro-batches (``stages.py``); what that cannot run with is
-    refused here, naming the field and the reason, before any process starts."""
+    refused here (``config.stage_limit``), naming the field and the reason, before any process
+    starts."""
     import os
 
     from vllm.platforms import current_platform
+
+    from ..config import stage_limit
 
     cfg = afd_config_of(vllm_config)
     if cfg is None or cfg.role != "attention" or cfg.num_stages == 1:
         return
     parallel = vllm_config.parallel_config
-    why_not = None
-    if not current_platform.is_cpu():
-        why_not = ("micro-batch stages run on vLLM's CPU model runner only in this version "
-                   f"(the {current_platform.device_name} runner with stages is untested)")
-    elif parallel.worker_cls not in ("auto", STAGED_WORKER):
-        why_not = f"stages need the plugin's worker ({STAGED_WORKER}); --worker-cls {parallel.worker_cls} was given"
-    elif os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("", "0"):
-        why_not = "stages hook vLLM's V1 model runner; VLLM_USE_V2_MODEL_RUNNER is set"
-    elif vllm_config.speculative_config is not None:
-        why_not = "speculative decoding is not supported with stages (the drafter reads the whole step's metadata)"
-    elif parallel.pipeline_parallel_size > 1:
-        why_not = f"pipeline parallel is not supported with stages (got {parallel.pipeline_parallel_size})"
-    elif parallel.enable_dbo or parallel.ubatch_size > 1:
-        why_not = "vLLM's own micro-batching (--enable-dbo / --ubatch-size) is not combined with the plugin's stages"
-    if why_not is not None:
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("", "0"):
+        raise ValueError(f"afd.num_stages: micro-batch stages hook vLLM's V1 model runner; VLLM_USE_V2_MODEL_RUNNER is "
+                         f"set; set num_stages 1 (got {cfg.num_stages})")
+    limit, why_not = stage_limit(
+        platform="cpu" if current_platform.is_cpu() else current_platform.device_name,
+        worker_cls=None if parallel.worker_cls in ("auto", STAGED_WORKER) else parallel.worker_cls,
+        speculative=vllm_config.speculative_config is not None,
+        pipeline_parallel=parallel.pipeline_parallel_size,
+        vllm_micro_batching=parallel.enable_dbo or parallel.ubatch_size > 1)
+    if cfg.num_stages > limit:
         raise ValueError(f"afd.num_stages: {why_not}; set num_stages 1 (got {cfg.num_stages})")
     parallel.worker_cls = STAGED_WORKER
     logger.info("afd: %d micro-batch stages per step: worker %s", cfg.num_stages, STAGED_WORKER)
