@@ -10,7 +10,7 @@ import yaml
 
 from afd_operator.api import AFDDeploymentSpec
 from afd_operator.planner import plan
-from afd_operator.revision import revision_of
+from afd_operator.revision import revision_of, shaping_spec
 from afd_operator.validation import validate_object
 from afd_operator.render import additional_config_json
 from afd_shared_experts.config import AFDConfig, AFDConfigError, SharedExpertsConfig, parse_afd_config
@@ -144,6 +144,7 @@ def test_revision_ignores_operator_only_fields() -> None:
     {"connector": {"port": 2000}},
     {"model": {"maxNumBatchedTokens": 4096}},
     {"attention": {"env": [{"name": "X", "value": "1"}]}},
+    {"async": {"stages": 1}},
 ])
 def test_revision_changes_with_anything_that_shapes_an_instance(change: dict[str, Any]) -> None:
     assert revision_of(spec_of(**change)) != revision_of(spec_of())
@@ -152,6 +153,13 @@ def test_revision_changes_with_anything_that_shapes_an_instance(change: dict[str
 def test_revision_is_stable_across_defaults_spelled_out() -> None:
     explicit = spec_of(sharedExperts={"placement": "ffn", "partition": "affinity"}, platform="ascend")
     assert revision_of(explicit) == revision_of(spec_of())
+
+
+def test_an_unset_stage_count_leaves_the_revision_as_before_the_field_existed() -> None:
+    # The hashed data of a spec without `async` has no such key, as before spec.async existed:
+    # an operator upgrade does not roll those instances.
+    assert "async" not in shaping_spec(spec_of())
+    assert shaping_spec(spec_of(**{"async": {"stages": 2}}))["async"] == {"stages": 2}
 
 
 def test_examples_plan(examples: list) -> None:

@@ -20,3 +20,4 @@ def test_rotary_patch_makes_3d_rotation_exact_where_the_kernel_is_not():
     assert result["kernel_3d_error"] > 1e-3 and result["kernel_3d_batch_dependence"] > 1e-3, result
     assert result["kernel_2d_error"] < 1e-5, result
     assert result["patched_error"] < 1e-5 and result["patched_batch_dependence"] == 0.0, result
+
