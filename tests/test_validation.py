@@ -131,8 +131,8 @@ def test_stages_refused_where_they_cannot_run_on_cpu(change: str, value: Any, ru
     assert validate_object(obj)[0] is None
     problems = [str(p) for p in validate_object(obj)[1]]
     assert any(p.startswith("spec.async.stages: " + rule) for p in problems), problems
-    obj["spec"]["async"] = {}  # the default quietly runs one stage there
-    assert validate_object(obj)[1] == [] or change == "spec.model.maxNumBatchedTokens"
+    obj["spec"]["async"] = {}  # the default runs one stage
+    assert validate_object(obj)[1] == []
 
 
 def test_all_problems_reported_at_once() -> None:

@@ -165,8 +165,7 @@ class AsyncSpec(Strict):
     stages: Optional[int] = Field(
         None, ge=1, le=MAX_STAGES,
         description="Micro-batch stages of each Attention step, ping-pong with the FFN side (the FFN computes one "
-        "micro-batch while the Attention side computes the next). Default: 2 where the platform and "
-        "attention.engineArgs allow stages, else 1.")
+        "micro-batch while the Attention side computes the next); more than 1 on platform cpu only. Default 1.")
 
 
 class AttentionSpec(Strict):

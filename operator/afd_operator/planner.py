@@ -201,10 +201,8 @@ def spec_stage_limit(spec: AFDDeploymentSpec) -> tuple[int, str]:
 
 
 def resolve_stages(spec: AFDDeploymentSpec) -> int:
-    """Micro-batch stages per Attention step: spec.async.stages, else 2 where allowed, else 1."""
-    if spec.async_.stages is not None:
-        return spec.async_.stages
-    return 2 if spec_stage_limit(spec)[0] >= 2 and spec.model.max_num_batched_tokens >= 2 else 1
+    """Micro-batch stages per Attention step: spec.async.stages, else 1 (opt-in: see the field)."""
+    return 1 if spec.async_.stages is None else spec.async_.stages
 
 
 def afd_config(spec: AFDDeploymentSpec, role: Role, host: str, port: int) -> AFDConfig:

@@ -30,9 +30,8 @@ def shaping_spec(spec: AFDDeploymentSpec) -> dict[str, Any]:
         data.pop(key, None)
     for parent, child in NON_SHAPING_NESTED:
         data.get(parent, {}).pop(child, None)
-    # Unset, the stage count follows from fields hashed already (platform, engine arguments,
-    # batch budget): leaving the block out keeps the revisions of specs written before it
-    # existed, so upgrading the operator does not roll their instances.
+    # Unset means one stage, as before the field existed: leaving the block out keeps those
+    # specs' revisions, so upgrading the operator does not roll their instances.
     if data.get("async") == {"stages": None}:
         del data["async"]
     return data
