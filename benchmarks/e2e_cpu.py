@@ -56,6 +56,28 @@ def busy_seconds(traces: list[dict], window: list[int]) -> tuple[float, float]:
     return wall - inside("combine_wait", "attention"), inside("expert_pass", "ffn") + inside("reply", "ffn")
 
 
+def expert_passes(traces: list[dict], window: list[int]) -> tuple[float, float]:
+    """(mean ms, mean rows) of the FFN's expert passes that started inside the generate window."""
+    passes = [i for i in traces if i["kind"] == "expert_pass" and window[0] <= i["start_ns"] < window[1]]
+    return (sum(i["end_ns"] - i["start_ns"] for i in passes) / len(passes) / 1e6,
+            sum(i["rows"] for i in passes) / len(passes))
+
+
+def split_costs(name: str, one: tuple, two: tuple, steps: int) -> str:
+    """What a second micro-batch costs each side, from the S=1 and S=2 rows of one placement,
+    modelling a side's time per step as (fixed cost per micro-batch) x stages + (cost per row)
+    x rows: the Attention side's extra busy time per step, and the fixed part of an FFN pass
+    (a in a + b x rows, from the mean passes at both row counts)."""
+    attention_extra = 1000 * (two[0][0] - one[0][0]) / steps
+    (ms_one, rows_one), (ms_two, rows_two) = one[1], two[1]
+    per_row = (ms_one - ms_two) / (rows_one - rows_two)
+    fixed = ms_one - per_row * rows_one
+    return (f"{name}: a second micro-batch adds {attention_extra:.1f} ms per step to the Attention side "
+            f"({100 * attention_extra / (1000 * one[0][0] / steps):.0f}% of its S=1 busy time per step); an FFN "
+            f"pass costs {fixed:.2f} ms + {1000 * per_row:.1f} us per row (fixed part {100 * fixed / ms_one:.0f}% of "
+            f"the S=1 pass over {rows_one:.0f} rows)")
+
+
 def stages_suite(args, prompts: list[list[int]], root: Path) -> int:
     heads = args.hidden // 128
     model = write_vllm_checkpoint(root / "model", "deepseek_v2", hidden=args.hidden, inter=args.hidden,
@@ -78,22 +100,26 @@ def stages_suite(args, prompts: list[list[int]], root: Path) -> int:
             finally:
                 for proc, _ in servers:
                     proc.stop()
-            rows.append((f"AFD {placement} S={stages}", result, busy_seconds(read_traces(traces),
-                                                                              result["generate_window_ns"])))
+            recorded = read_traces(traces)
+            window = result["generate_window_ns"]
+            rows.append((f"AFD {placement} S={stages}", result, (busy_seconds(recorded, window),
+                                                                  expert_passes(recorded, window))))
     print(f"{args.prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} new tokens each, DeepSeek-V2 "
           f"hidden {args.hidden}, 4 layers (3 MoE, 8 experts top-2, 1 shared), float32, eager; Attention on core 0, "
           "1 FFN rank on core 1, 1 thread each")
     print(f"{'configuration':<24}{'tok/s':>8}{'step ms':>9}{'busy A s':>10}{'busy F s':>10}{'overlap':>9}"
-          f"{'ids = plain':>13}")
+          f"{'F pass ms':>11}{'rows/pass':>11}{'ids = plain':>13}")
     tokens = args.prompts * args.max_tokens
-    for name, result, busy in rows:
+    for name, result, measured in rows:
         seconds = result["generate_seconds"]
         line = f"{name:<24}{tokens / seconds:>8.1f}{1000 * seconds / args.max_tokens:>9.1f}"
-        if busy is None:
-            line += f"{'':>29}"
+        if measured is None:
+            line += f"{'':>51}"
         else:
-            line += f"{busy[0]:>10.2f}{busy[1]:>10.2f}{(busy[0] + busy[1]) / seconds:>9.2f}"
-        same = "" if busy is None else ("yes" if result["token_ids"] == plain["token_ids"] else "NO")
+            (busy_a, busy_f), (pass_ms, pass_rows) = measured
+            line += (f"{busy_a:>10.2f}{busy_f:>10.2f}{(busy_a + busy_f) / seconds:>9.2f}{pass_ms:>11.2f}"
+                     f"{pass_rows:>11.1f}")
+        same = "" if measured is None else ("yes" if result["token_ids"] == plain["token_ids"] else "NO")
         print(line + f"{same:>13}")
     by_name = {name: result["generate_seconds"] for name, result, _ in rows}
     for placement in ("attention", "ffn"):
@@ -101,9 +127,13 @@ def stages_suite(args, prompts: list[list[int]], root: Path) -> int:
         print(f"{placement}: tok/s S=2 / S=1 = {s1 / by_name[f'AFD {placement} S=2']:.2f}, "
               f"S=3 / S=1 = {s1 / by_name[f'AFD {placement} S=3']:.2f}")
     print(f"S=2: tok/s ffn / attention = {by_name['AFD attention S=2'] / by_name['AFD ffn S=2']:.2f}")
-    for name, result, busy in rows:
-        if busy is not None and name.endswith("S=1") and busy[0] + busy[1] < 0.5 * result["generate_seconds"]:
-            print(f"{name}: overhead dominates (compute {100 * (busy[0] + busy[1]) / result['generate_seconds']:.0f}% "
+    measured = {name: m for name, _, m in rows}
+    for placement in ("attention", "ffn"):
+        print(split_costs(placement, measured[f"AFD {placement} S=1"], measured[f"AFD {placement} S=2"],
+                          args.max_tokens))
+    for name, result, m in rows:
+        if m is not None and name.endswith("S=1") and sum(m[0]) < 0.5 * result["generate_seconds"]:
+            print(f"{name}: overhead dominates (compute {100 * sum(m[0]) / result['generate_seconds']:.0f}% "
                   "of the step)")
     return 0
 

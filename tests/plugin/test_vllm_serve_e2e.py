@@ -5,15 +5,17 @@ FFN server processes.
 Phases, each a module fixture that stops every process it started before the next begins,
 for each of DeepSeek-V2, DeepSeek-V3 and Qwen2-MoE: plain `vllm serve` (the reference
 completions); AFD `vllm serve` (readiness of the FFN servers, the same completions, then SIGTERM
-to an FFN server during a streamed request); a restart of both sides; AFD with Attention data
+to an FFN server during streamed requests: one, or for Qwen2-MoE two at once in 2 micro-batch
+stages, AFD_SERVE_STAGES); a restart of both sides; AFD with Attention data
 parallel 2 (compared with plain vLLM at DP 1: plain vLLM cannot run a MoE model at DP 2 on CPU,
-TESTBED.md). Requests are sent one at a time, so every server runs the same batches, with one
-stage per step. The DP 2 phase then runs micro-batch stages (afd.num_stages 2): the prompts
-sent at once, with a longer one, so steps hold several requests on each engine (two stages),
-then one (a single stage) while the other engine idles (dummy steps); the stage traces of
-both sides show the ping-pong and the FFN computing one micro-batch while the Attention side
-computes the next. Stage count and placement vary by model (DP2_STAGES), so DP 2 runs two and
-three stages and both placements.
+TESTBED.md). Requests are sent one at a time, so every server runs the same batches.
+
+The DP 2 phases (DP2_PHASES: DeepSeek-V3 and Qwen2-MoE run both placements, with 3 and 2
+micro-batch stages; DeepSeek-V2 one stage) then send the prompts twice, all at once, with a
+longer one: steps hold several requests on each engine (split into stages), then one (a single
+stage) while the other engine idles (dummy steps). The stage traces of both sides show the
+ping-pong, one FFN expert pass per (step, layer, stage) over both engines' rows, and the FFN
+computing one micro-batch while the Attention side computes the next.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import re
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -38,9 +41,11 @@ from vllm_harness import (
     Proc,
     afd_block,
     base_env,
+    complete,
     free_port,
     http_status,
     install_testbed_plugin,
+    served_model,
     start_ffn_servers,
     start_vllm_serve,
     vllm_console_script,
@@ -58,8 +63,14 @@ LONG_REQUEST_TOKENS = 400
 # The request that keeps one DP engine busy after the others end (greedy: its first MAX_TOKENS
 # ids are the reference's).
 LONG_TOKENS = 3 * MAX_TOKENS
-# (stages, placement) of each model's DP 2 phase.
-DP2_STAGES = {"deepseek_v2": (3, "ffn"), "deepseek_v3": (2, "ffn"), "qwen2_moe": (3, "attention")}
+# Micro-batch stages of the AFD phase (and its restart) by model: Qwen2-MoE loses its FFN server
+# while steps run in 2 stages (two streams at once); the others run 1 stage.
+AFD_SERVE_STAGES = {"qwen2_moe": 2}
+# The DP 2 phases of each model, (stages, placement). DeepSeek-V3 and Qwen2-MoE each run both
+# placements, one with 3 stages and one with 2 (a phase's steps with fewer requests than its
+# stage count run fewer stages); DeepSeek-V2 runs 1 stage, the operator's default.
+DP2_PHASES = {"deepseek_v2": ((1, "ffn"),), "deepseek_v3": ((3, "ffn"), (2, "attention")),
+              "qwen2_moe": ((3, "attention"), (2, "ffn"))}
 
 
 MODELS = ("deepseek_v2", "deepseek_v3", "qwen2_moe")
@@ -71,23 +82,6 @@ def model(request, tmp_path_factory):
     install_testbed_plugin()
     return write_vllm_checkpoint(tmp_path_factory.mktemp(request.param) / request.param, request.param,
                                  seed=MODELS.index(request.param))
-
-
-def post(port: int, path: str, body: dict, timeout: float = 120) -> dict:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
-def served_model(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as response:
-        return json.loads(response.read())["data"][0]["id"]
-
-
-def complete(port: int, name: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict:
-    return post(port, "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                           "ignore_eos": True, "return_token_ids": True})["choices"][0]
 
 
 def completions(port: int) -> list[dict]:
@@ -147,11 +141,13 @@ def afd_serve(model, tmp_path_factory):
     """AFD `vllm serve` + 2 FFN servers: FFN readiness while it starts, the completions, then
     SIGTERM to FFN server 0 while a streamed request is being generated."""
     logdir = tmp_path_factory.mktemp("afd")
-    block = afd_block("attention", port=free_port())
+    traces = logdir / "traces"
+    stages = AFD_SERVE_STAGES.get(model.name, 1)
+    block = afd_block("attention", port=free_port(), stages=stages)
     block["afd"]["timeout_seconds"] = CONNECTOR_TIMEOUT
     api_port = free_port()
-    result = {"block": block, "api_port": api_port}
-    servers = start_ffn_servers(model, block, logdir)
+    result = {"block": block, "api_port": api_port, "stages": stages}
+    servers = start_ffn_servers(model, block, logdir, trace_dir=traces)
     ffn_procs = [proc for proc, _ in servers]
     procs = list(ffn_procs)
     try:
@@ -159,7 +155,7 @@ def afd_serve(model, tmp_path_factory):
         wait_until(lambda: all(http_status(port, "/health") == 200 and "loaded" in proc.log()
                                for proc, port in servers), START_TIMEOUT, "FFN servers loaded their weights", ffn_procs)
         result["ready_before_attention"] = [http_status(port, "/ready") for _, port in servers]
-        api = start_vllm_serve(model, api_port, logdir, "attention", block=block)
+        api = start_vllm_serve(model, api_port, logdir, "attention", block=block, trace_dir=traces)
         procs.append(api)
         ready_seen = []
 
@@ -173,38 +169,50 @@ def afd_serve(model, tmp_path_factory):
         result["completions"] = completions(api_port)
         with urllib.request.urlopen(f"http://127.0.0.1:{api_port}/metrics", timeout=10) as response:
             result["metrics"] = response.read().decode()
-        result["sigterm"] = sigterm_during_stream(api, api_port, servers[0][0])
+        result["sigterm"] = sigterm_during_streams(api, api_port, servers[0][0], streams=stages)
         result["attention_log"] = api.log()
+        result["traces"] = read_traces(traces)
         return result
     finally:
         stop_all(procs)
 
 
-def sigterm_during_stream(api: Proc, api_port: int, ffn: Proc) -> dict:
-    """Stream a long completion, SIGTERM the FFN server after the first tokens, read the rest."""
+def sigterm_during_streams(api: Proc, api_port: int, ffn: Proc, streams: int) -> dict:
+    """Stream `streams` long completions at once (with stages, steps then split between them),
+    SIGTERM the FFN server once every stream has its first tokens, read the rest of each."""
     body = {"model": served_model(api_port), "prompt": PROMPTS[0], "max_tokens": LONG_REQUEST_TOKENS,
             "temperature": 0, "ignore_eos": True, "stream": True}
-    request = urllib.request.Request(f"http://127.0.0.1:{api_port}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    events, signalled_at, finished_at = [], None, None
-    # The read timeout bounds a hang: a request that neither fails nor progresses raises here.
-    with urllib.request.urlopen(request, timeout=CONNECTOR_TIMEOUT + 60) as response:
-        for line in response:
-            line = line.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                break
-            events.append(json.loads(line[len("data: "):]))
-            if signalled_at is None and len(events) == 3:
-                ffn.signal(signal.SIGTERM)
-                signalled_at = time.monotonic()
-        finished_at = time.monotonic()
+    received = [0] * streams
+    signalled_at: list[float] = []
+    lock = threading.Lock()
+
+    def read(index: int) -> tuple[list[dict], float]:
+        events = []
+        request = urllib.request.Request(f"http://127.0.0.1:{api_port}/v1/completions",
+                                         data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        # The read timeout bounds a hang: a request that neither fails nor progresses raises here.
+        with urllib.request.urlopen(request, timeout=CONNECTOR_TIMEOUT + 60) as response:
+            for line in response:
+                line = line.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    break
+                events.append(json.loads(line[len("data: "):]))
+                with lock:
+                    received[index] = len(events)
+                    if not signalled_at and min(received) >= 3:
+                        ffn.signal(signal.SIGTERM)
+                        signalled_at.append(time.monotonic())
+        return events, time.monotonic()
+
+    with ThreadPoolExecutor(streams) as pool:
+        read_streams = list(pool.map(read, range(streams)))
     ffn_exit = ffn.wait(60)
     # vLLM's API server must exit once its engine died, so the pod restarts (fails the phase otherwise).
     wait_until(lambda: api.popen.poll() is not None, 120, "Attention server exit after the engine failed")
-    return {"events": events, "seconds_to_fail": None if signalled_at is None else finished_at - signalled_at,
-            "ffn_exit": ffn_exit}
+    return {"streams": [events for events, _ in read_streams], "ffn_exit": ffn_exit, "signalled_at": signalled_at,
+            "seconds_to_fail": None if not signalled_at else max(end for _, end in read_streams) - signalled_at[0]}
 
 
 @pytest.fixture(scope="module")
@@ -214,15 +222,13 @@ def restarted(afd_serve, model, tmp_path_factory):
                              api_port=afd_serve["api_port"])["completions"]
 
 
-@pytest.fixture(scope="module")
-def data_parallel_2(model, tmp_path_factory):
+def data_parallel_2_phase(model, logdir, stages: int, placement: str) -> dict:
     """AFD with Attention data parallel 2 (two engine cores, Attention ranks 0 and 1) + 2 FFN
-    servers; then torn down as the operator does: SIGTERM to the `vllm serve` process only (the
-    kubelet signals a container's first process), with the --shutdown-timeout the operator
-    renders; the FFN servers are left to end by themselves."""
-    logdir = tmp_path_factory.mktemp("dp2")
+    servers: the prompts one at a time, then all at once; then torn down as the operator does:
+    SIGTERM to the `vllm serve` process only (the kubelet signals a container's first process),
+    with the --shutdown-timeout the operator renders; the FFN servers are left to end by
+    themselves."""
     traces = logdir / "traces"
-    stages, placement = DP2_STAGES[model.name]
     block = afd_block("attention", port=free_port(), attention_ranks=2, stages=stages, placement=placement)
     api_port = free_port()
     servers = start_ffn_servers(model, block, logdir, trace_dir=traces)
@@ -232,8 +238,9 @@ def data_parallel_2(model, tmp_path_factory):
                                extra_args=("--shutdown-timeout", "15"), trace_dir=traces)
         procs.append(api)
         wait_serving(api, api_port, procs[:-1])
-        result = {"completions": completions(api_port), "ffn_ready": [http_status(port, "/ready") for _, port in servers],
-                  "stages": stages}
+        result = {"phase": f"{model.name} stages {stages} placement {placement}", "stages": stages,
+                  "completions": completions(api_port),
+                  "ffn_ready": [http_status(port, "/ready") for _, port in servers]}
         result["concurrent"], result["long"] = concurrent_completions(api_port)
         api.signal(signal.SIGTERM)
         result["attention_exit"] = api.wait(60)
@@ -244,6 +251,13 @@ def data_parallel_2(model, tmp_path_factory):
         return result
     finally:
         stop_all(procs)
+
+
+@pytest.fixture(scope="module")
+def data_parallel_2(model, tmp_path_factory):
+    """Each of the model's DP2_PHASES, one after the other."""
+    return [data_parallel_2_phase(model, tmp_path_factory.mktemp(f"dp2-s{stages}-{placement}"), stages, placement)
+            for stages, placement in DP2_PHASES[model.name]]
 
 
 def test_vllm_console_script_starts_on_the_cpu_wheel():
@@ -278,14 +292,22 @@ def test_ffn_ready_only_after_weights_and_connector(afd_serve):
         assert set(statuses[:first_ready]) == {503} and set(statuses[first_ready:]) == {200}
 
 
-def test_sigterm_to_an_ffn_server_fails_the_in_flight_request(afd_serve):
+def test_sigterm_to_an_ffn_server_fails_the_in_flight_requests(afd_serve, model):
     sigterm = afd_serve["sigterm"]
-    events = sigterm["events"]
-    assert sigterm["seconds_to_fail"] is not None, "the stream ended before the FFN server was signalled"
-    tokens = [event for event in events if "choices" in event]
-    errors = [event["error"] for event in events if "error" in event]
-    assert len(tokens) < LONG_REQUEST_TOKENS
-    assert len(errors) == 1 and "EngineCore" in errors[0]["message"], events[-3:]
+    assert sigterm["seconds_to_fail"] is not None, "the streams ended before the FFN server was signalled"
+    for events in sigterm["streams"]:
+        tokens = [event for event in events if "choices" in event]
+        errors = [event["error"] for event in events if "error" in event]
+        assert len(tokens) < LONG_REQUEST_TOKENS
+        assert len(errors) == 1 and "EngineCore" in errors[0]["message"], events[-3:]
+    # The streams shared the steps: the last whole step before the signal (the one before the step
+    # in flight) ran in as many stages as the phase has, on every MoE layer.
+    signalled_ns = sigterm["signalled_at"][0] * 1e9
+    dispatches = by_key(afd_serve["traces"], "attention", "dispatch")
+    step = max(step for (_, step, _, _), (dispatch,) in dispatches.items() if dispatch["start_ns"] < signalled_ns) - 1
+    per_layer = stages_per_layer({key: value for key, value in dispatches.items() if key[1] == step})
+    assert len(per_layer) == len(load_spec(model).moe_layers), (step, per_layer)
+    assert set(per_layer.values()) == {afd_serve["stages"]}, (step, per_layer)
     # No hang: bounded by the connector timeout.
     assert sigterm["seconds_to_fail"] < CONNECTOR_TIMEOUT + 10
     # The cause, in the Attention server's log, names the lost FFN rank.
@@ -301,39 +323,48 @@ def test_restart_of_both_sides_recovers(restarted, reference):
 
 
 def test_attention_data_parallel_2_answers_like_plain_vllm(data_parallel_2, reference):
-    # An FFN server is ready only once the whole 2 + 2 world joined: both engine cores are in.
-    assert data_parallel_2["ffn_ready"] == [200, 200]
-    assert text_and_ids(data_parallel_2["completions"]) == text_and_ids(reference)
+    for phase in data_parallel_2:
+        # An FFN server is ready only once the whole 2 + 2 world joined: both engine cores are in.
+        assert phase["ffn_ready"] == [200, 200], phase["phase"]
+        assert text_and_ids(phase["completions"]) == text_and_ids(reference), phase["phase"]
 
 
-def test_requests_sent_at_once_run_in_stages_and_answer_like_plain_vllm(data_parallel_2, reference):
-    for completions_of_round in data_parallel_2["concurrent"]:
-        assert text_and_ids(completions_of_round) == text_and_ids(reference)
-    assert data_parallel_2["long"]["token_ids"][:MAX_TOKENS] == reference[0]["token_ids"]
-    assert len(data_parallel_2["long"]["token_ids"]) == LONG_TOKENS
-    stages = data_parallel_2["stages"]
-    counts = assert_staged_schedule(data_parallel_2["traces"], stages=stages, attention_ranks=2)
-    # Both kinds of steps ran: split ones and single-stage ones (one request, or an idle
-    # engine's dummy step), and the FFN merged both engines' rows into one pass.
-    assert 0 < counts["staged_layers"] < counts["layers"] and counts["merged_passes"] > 0, counts
-    per_layer = stages_per_layer(by_key(data_parallel_2["traces"], "attention", "dispatch"))
-    assert {1, stages} <= set(per_layer.values())
+def test_requests_sent_at_once_answer_like_plain_vllm(data_parallel_2, reference):
+    for phase in data_parallel_2:
+        for completions_of_round in phase["concurrent"]:
+            assert text_and_ids(completions_of_round) == text_and_ids(reference), phase["phase"]
+        assert phase["long"]["token_ids"][:MAX_TOKENS] == reference[0]["token_ids"], phase["phase"]
+        assert len(phase["long"]["token_ids"]) == LONG_TOKENS, phase["phase"]
 
 
-def test_the_ffn_computes_a_micro_batch_while_the_attention_side_computes_the_next(data_parallel_2):
-    # From both processes' traces: an FFN expert pass of micro-batch 0 ran between an Attention
-    # rank's dispatch of micro-batch 0 and its dispatch of micro-batch 1 of the same layer.
-    assert overlapped_layers(data_parallel_2["traces"]) > 0
+def test_steps_run_in_stages_overlapping_the_ffn_with_one_expert_pass_per_stage(data_parallel_2):
+    for phase in data_parallel_2:
+        stages = phase["stages"]
+        counts = assert_staged_schedule(phase["traces"], stages=stages, attention_ranks=2)
+        # The FFN merged both engines' rows into one pass.
+        assert counts["merged_passes"] > 0, (phase["phase"], counts)
+        if stages == 1:
+            assert counts["staged_layers"] == 0, (phase["phase"], counts)
+            continue
+        # Both kinds of steps ran: split ones and single-stage ones (one request, or an idle
+        # engine's dummy step).
+        assert 0 < counts["staged_layers"] < counts["layers"], (phase["phase"], counts)
+        per_layer = stages_per_layer(by_key(phase["traces"], "attention", "dispatch"))
+        assert {1, stages} <= set(per_layer.values()), phase["phase"]
+        # The overlap, from both processes' traces: an FFN expert pass of micro-batch s ran
+        # between an Attention rank's dispatch of micro-batch s and its dispatch of s+1.
+        assert overlapped_layers(phase["traces"]) > 0, phase["phase"]
 
 
 def test_ffn_servers_end_with_exit_0_after_the_attention_side_is_terminated(data_parallel_2):
     # Each Attention rank's worker exits normally and sends its shutdown notice (vLLM's default
     # --shutdown-timeout 0 force-kills the workers: the FFN servers then fail on a closed
     # connection, as the real node showed).
-    assert data_parallel_2["attention_exit"] == 0
-    assert data_parallel_2["ffn_exits"] == [0, 0], [log[-3000:] for log in data_parallel_2["ffn_logs"]]
-    for log in data_parallel_2["ffn_logs"]:
-        assert "every Attention rank shut down" in log
+    for phase in data_parallel_2:
+        assert phase["attention_exit"] == 0, phase["phase"]
+        assert phase["ffn_exits"] == [0, 0], (phase["phase"], [log[-3000:] for log in phase["ffn_logs"]])
+        for log in phase["ffn_logs"]:
+            assert "every Attention rank shut down" in log, phase["phase"]
 
 
 def test_attention_rank_metrics_are_served_on_vllms_metrics(afd_serve, model):

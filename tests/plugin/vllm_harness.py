@@ -13,6 +13,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -66,7 +67,12 @@ def base_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     env.update(VLLM_PLUGINS="afd_shared_experts,afd_testbed_platform_moe", VLLM_MLA_DISABLE="1",
                VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-               VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               # vLLM 0.23's CPU sampler torch.compiles its random-sampling kernel while the engine
+               # warms up: 10-15 s of every engine start here (inductor's ISA probes start a Python
+               # per ISA). Every request of the tests is greedy, which never runs that kernel; the
+               # models run eager either way (enforce_eager, or the plugin's config hook).
+               TORCHDYNAMO_DISABLE="1")
     env.update(extra)
     return env
 
@@ -297,11 +303,25 @@ def post_json(port: int, path: str, body: dict, timeout: float = 120) -> dict:
         return json.loads(response.read())
 
 
-def greedy_completions(port: int) -> list[tuple[str, list[int]]]:
-    """(text, token ids) of a greedy completion of each of PROMPTS, sent one at a time."""
+def served_model(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as response:
-        name = json.loads(response.read())["data"][0]["id"]
-    choices = [post_json(port, "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                                                    "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-                         )["choices"][0] for prompt in PROMPTS]
+        return json.loads(response.read())["data"][0]["id"]
+
+
+def complete(port: int, name: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict:
+    """A greedy completion's choice, with its token ids."""
+    return post_json(port, "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": max_tokens,
+                                                "temperature": 0, "ignore_eos": True,
+                                                "return_token_ids": True})["choices"][0]
+
+
+def greedy_completions(port: int, at_once: bool = False) -> list[tuple[str, list[int]]]:
+    """(text, token ids) of a greedy completion of each of PROMPTS, sent one at a time, or all at
+    once (`at_once`: steps then hold several requests, which micro-batch stages split)."""
+    name = served_model(port)
+    if at_once:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            choices = list(pool.map(lambda prompt: complete(port, name, prompt), PROMPTS))
+    else:
+        choices = [complete(port, name, prompt) for prompt in PROMPTS]
     return [(choice["text"], choice["token_ids"]) for choice in choices]

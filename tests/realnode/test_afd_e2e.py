@@ -48,7 +48,9 @@ MOUNT = "/models"
 MODEL_DIR = "tiny-deepseek-v2"
 READY_TIMEOUT_SECONDS = 900
 API_PORT = 8000
-VLLM_ENV = [{"name": "VLLM_MLA_DISABLE", "value": "1"}]
+# TORCHDYNAMO_DISABLE: vLLM 0.23's CPU sampler torch.compiles its random-sampling kernel at every
+# engine start (10-15 s of CPU here, more on a node busy with a roll); the requests are greedy.
+VLLM_ENV = [{"name": "VLLM_MLA_DISABLE", "value": "1"}, {"name": "TORCHDYNAMO_DISABLE", "value": "1"}]
 # Two revisions run side by side during a roll; on these 2-core, 23 GB machines that must fit
 # in 16 GB. vLLM's CPU KV cache defaults to 4 GiB per engine; the tiny model needs a few MiB.
 KV_CACHE_ARGS = ["--kv-cache-memory-bytes", "64M"]
@@ -301,12 +303,22 @@ def roll(real_node: RealNode, manifest: dict, host: str, port: int,
     return load, watch, address
 
 
-def assert_rolled_cleanly(load: Load, watch: WorldWatch) -> None:
+def namespace_events(real_node: RealNode) -> str:
+    """The namespace's events, oldest first: the operator's (InstanceFailed names the failed pod
+    and why) and the kubelet's (probe failures, kills). They outlive the deleted pods."""
+    return real_node.kubectl("get", "events", "-n", NAMESPACE, "--sort-by=.lastTimestamp", "-o",
+                             "custom-columns=LAST:.lastTimestamp,TYPE:.type,REASON:.reason,OBJECT:.involvedObject.name,"
+                             "MESSAGE:.message", check=False).stdout
+
+
+def assert_rolled_cleanly(real_node: RealNode, load: Load, watch: WorldWatch) -> None:
     peak = (meminfo_bytes("MemTotal") - watch.lowest_available) / 2**30
     after = (meminfo_bytes("MemTotal") - mem_available_bytes()) / 2**30
     print(f"roll: {load.ok} requests served, {len(load.failures)} failed; host memory in use "
           f"(MemTotal - MemAvailable): {peak:.1f} GiB at the peak, {after:.1f} GiB after the roll")
     assert peak < MEMORY_LIMIT_GIB, f"the scenario used {peak:.1f} GiB of host memory (limit {MEMORY_LIMIT_GIB})"
+    if load.failures:
+        print("events of the failed roll:\n" + namespace_events(real_node))
     assert load.ok > 0 and not load.failures, (load.ok, len(load.failures), load.failures[:3], load.failures[-3:],
                                                watch.timeline)
     assert all(len(revisions) == 1 for revisions in watch.worlds.values()) and not watch.cross_wired, \
@@ -319,7 +331,7 @@ def test_rolls_under_load_to_a_new_topology_then_a_new_image(real_node: RealNode
     before = {p["metadata"]["labels"][LABEL + "revision"] for p in served["pods"]}
 
     load, watch, (host, port) = roll(real_node, afd_deployment(checkpoint, NAMESPACE, **ROLLED_TOPOLOGY), host, port)
-    assert_rolled_cleanly(load, watch)
+    assert_rolled_cleanly(real_node, load, watch)
     now = afd_pods(real_node, NAMESPACE, NAME)
     assert sorted(p["metadata"]["labels"][LABEL + "role"] for p in now) == ["attention", "ffn", "ffn"]
     assert {p["metadata"]["labels"][LABEL + "revision"] for p in now}.isdisjoint(before)
@@ -330,7 +342,7 @@ def test_rolls_under_load_to_a_new_topology_then_a_new_image(real_node: RealNode
     load, watch, (host, port) = roll(real_node, afd_deployment(checkpoint, NAMESPACE, **ROLLED_TOPOLOGY,
                                                               image=ROLLED_IMAGE),
                                      host, port, mid_rollout=delete_operator_pod)
-    assert_rolled_cleanly(load, watch)
+    assert_rolled_cleanly(real_node, load, watch)
     operator_after = pods(real_node, RELEASE_NAMESPACE, "app.kubernetes.io/name=afd-operator")
     assert {p["metadata"]["uid"] for p in operator_after}.isdisjoint(p["metadata"]["uid"] for p in operator_before)
     assert {c["image"] for p in afd_pods(real_node, NAMESPACE, NAME) for c in p["spec"]["containers"]} == {ROLLED_IMAGE}

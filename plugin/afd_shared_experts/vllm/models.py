@@ -51,9 +51,8 @@ class _AFDModelMixin:
         slices = None
         if self.afd_micro_batches is not None and is_forward_context_available():
             slices = get_forward_context().ubatch_slices
-        if self.afd_rank is None:
-            return upstream(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
-        self.afd_rank.step_stages = 1 if slices is None else len(slices)
+        if self.afd_rank is not None:
+            self.afd_rank.step_stages = 1 if slices is None else len(slices)
         if slices is None:
             return upstream(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
         return self.afd_micro_batches.run(upstream, get_forward_context(), slices, input_ids, positions,
