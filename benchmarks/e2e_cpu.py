@@ -80,8 +80,8 @@ def split_costs(name: str, one: tuple, two: tuple, steps: int) -> str:
 
 def stages_suite(args, prompts: list[list[int]], root: Path) -> int:
     heads = args.hidden // 128
-    model = write_vllm_checkpoint(root / "model", "deepseek_v2", hidden=args.hidden, inter=args.hidden,
-                                  intermediate_size=args.hidden, layers=4, num_attention_heads=heads,
+    model = write_vllm_checkpoint(root / "model", "deepseek_v2", hidden=args.hidden, inter=args.moe_inter,
+                                  intermediate_size=args.hidden, layers=args.layers, num_attention_heads=heads,
                                   num_key_value_heads=heads, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128,
                                   kv_lora_rank=256)
     request = {"model": str(model), "prompts": prompts, "max_tokens": args.max_tokens}
@@ -105,8 +105,8 @@ def stages_suite(args, prompts: list[list[int]], root: Path) -> int:
             rows.append((f"AFD {placement} S={stages}", result, (busy_seconds(recorded, window),
                                                                   expert_passes(recorded, window))))
     print(f"{args.prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} new tokens each, DeepSeek-V2 "
-          f"hidden {args.hidden}, 4 layers (3 MoE, 8 experts top-2, 1 shared), float32, eager; Attention on core 0, "
-          "1 FFN rank on core 1, 1 thread each")
+          f"hidden {args.hidden}, {args.layers} layers ({args.layers - 1} MoE, 8 experts top-2, 1 shared, expert "
+          f"intermediate {args.moe_inter}), float32, eager; Attention on core 0, 1 FFN rank on core 1, 1 thread each")
     print(f"{'configuration':<24}{'tok/s':>8}{'step ms':>9}{'busy A s':>10}{'busy F s':>10}{'overlap':>9}"
           f"{'F pass ms':>11}{'rows/pass':>11}{'ids = plain':>13}")
     tokens = args.prompts * args.max_tokens
@@ -145,9 +145,19 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--hidden", type=int, default=1024, help="--suite stages: hidden size (a multiple of 128)")
+    p.add_argument("--layers", type=int, default=4, help="--suite stages: decoder layers (the first dense, >= 2)")
+    p.add_argument("--moe-inter", type=int, default=None,
+                   help="--suite stages: intermediate size of each expert (default: --hidden); sets the FFN "
+                        "side's share of the step")
     args = p.parse_args()
     if args.hidden % 128:
         p.error(f"--hidden: must be a multiple of 128 (got {args.hidden})")
+    if args.layers < 2:
+        p.error(f"--layers: must be at least 2, one dense and one MoE layer (got {args.layers})")
+    if args.moe_inter is None:
+        args.moe_inter = args.hidden
+    if args.moe_inter < 1:
+        p.error(f"--moe-inter: must be positive (got {args.moe_inter})")
     rng = random.Random(0)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     install_testbed_plugin()
