@@ -18,6 +18,9 @@ esac
 source "$(dirname "$0")/common.sh"
 
 ensure_debs etcd-server etcd-client openssl
+# The real node's packages and all six Kubernetes binaries in one build pass (kube-apiserver
+# alone first, then the other five, would fetch and compile the shared source twice).
+if [ "$mode" = real-node ]; then "$REPO_ROOT/scripts/realnode/prepare.sh"; fi
 AFD_KUBE_APISERVER="$("$REPO_ROOT/scripts/build-kube-apiserver.sh")"
 export AFD_KUBE_APISERVER
 VENV="$("$REPO_ROOT/scripts/dev-env.sh")"
@@ -50,6 +53,5 @@ if [ "$mode" = stand-in ]; then
   "$VENV/bin/python" -m afd_devcluster.demo --example examples/cpu-tiny.yaml
 else
   echo "== live on the real node"
-  "$REPO_ROOT/scripts/realnode/prepare.sh"
   "$VENV/bin/python" -m afd_devcluster.realnode.demo --example examples/cpu-tiny.yaml
 fi
