@@ -78,13 +78,20 @@ def split_costs(name: str, one: tuple, two: tuple, steps: int) -> str:
             f"the S=1 pass over {rows_one:.0f} rows)")
 
 
+def batch_request(args, model: Path, prompts: list[list[int]]) -> dict:
+    """The driver's request: every prompt scheduled in the same steps (the scheduler's limits
+    raised to the whole batch: the driver's defaults keep 8 requests per step)."""
+    return {"model": str(model), "prompts": prompts, "max_tokens": args.max_tokens, "max_num_seqs": args.prompts,
+            "max_num_batched_tokens": max(512, args.prompts * args.prompt_len)}
+
+
 def stages_suite(args, prompts: list[list[int]], root: Path) -> int:
     heads = args.hidden // 128
     model = write_vllm_checkpoint(root / "model", "deepseek_v2", hidden=args.hidden, inter=args.moe_inter,
                                   intermediate_size=args.hidden, layers=args.layers, num_attention_heads=heads,
                                   num_key_value_heads=heads, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128,
                                   kv_lora_rank=256)
-    request = {"model": str(model), "prompts": prompts, "max_tokens": args.max_tokens}
+    request = batch_request(args, model, prompts)
     plain = run_driver(request, root, "plain", timeout=1800, cpus=ATTENTION_CORE)
     rows = [("plain vLLM (core 0)", plain, None)]
     for placement in ("attention", "ffn"):
@@ -168,7 +175,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = write_vllm_checkpoint(root / "model", "deepseek_v2")
-        request = {"model": str(model), "prompts": prompts, "max_tokens": args.max_tokens}
+        request = batch_request(args, model, prompts)
         runs = (("plain vLLM", None, "vllm"), ("AFD placement attention", "attention", "vllm"),
                 ("AFD placement ffn", "ffn", "vllm"), ("AFD ffn, torch experts", "ffn", "torch"))
         for name, placement, backend in runs:

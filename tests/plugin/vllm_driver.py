@@ -5,7 +5,8 @@ REQUEST: {"model", "prompts" (token ids), "max_tokens", "additional_config" (opt
           "tensor_parallel_size" (optional, default 1), "load_format" (optional, default "auto"),
           "enforce_eager" (optional, default true; false: vLLM's default compilation settings),
           "config_only" (optional: build the engine config only, no engine, no generation),
-          "worker_cls" (optional: vLLM's --worker-cls)}
+          "worker_cls" (optional: vLLM's --worker-cls),
+          "max_num_seqs", "max_num_batched_tokens" (optional, default 8 and 512: the scheduler's limits per step)}
 RESULT: {"graph_mode": {"enforce_eager", "compilation_mode", "cudagraph_mode"} of the engine config,
          "worker_cls": the engine config's worker class,
          "token_ids": [[...] per prompt], "generate_seconds", "generate_window_ns" ([start, end] on the host's
@@ -51,8 +52,9 @@ def main() -> None:
         kwargs["enforce_eager"] = True
     if request.get("worker_cls"):
         kwargs["worker_cls"] = request["worker_cls"]
-    engine_args = dict(model=request["model"], dtype="float32", max_model_len=512, max_num_batched_tokens=512,
-                       max_num_seqs=8, seed=0, tensor_parallel_size=request.get("tensor_parallel_size", 1),
+    engine_args = dict(model=request["model"], dtype="float32", max_model_len=512,
+                       max_num_batched_tokens=request.get("max_num_batched_tokens", 512),
+                       max_num_seqs=request.get("max_num_seqs", 8), seed=0, tensor_parallel_size=request.get("tensor_parallel_size", 1),
                        load_format=request.get("load_format", "auto"), **kwargs)
     if request.get("config_only"):
         config = EngineArgs(**engine_args).create_engine_config()
