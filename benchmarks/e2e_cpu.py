@@ -6,8 +6,8 @@ FFN servers' torch expert backend instead of vLLM's kernels.
 
 --suite stages: plain vLLM, then AFD with 1, 2 and 3 micro-batch stages under each placement,
 the Attention process on core 0 and one FFN server (1 rank) on core 1, one thread each, on a
-DeepSeek-V2 large enough that attention and expert compute are several ms per layer (--hidden
-to rescale). Besides tokens/s it reports, from both sides' stage traces within the generate
+DeepSeek-V2 large enough that attention and expert compute are several ms per layer (--hidden,
+--layers and --moe-inter rescale it; --moe-inter sets the FFN side's share). Besides tokens/s it reports, from both sides' stage traces within the generate
 window: the Attention side's busy time (wall - waits for replies), the FFN side's (expert
 passes + replies) and the overlap efficiency (busy A + busy F) / wall: 1 is serial, 2 is both
 sides busy all the time.
@@ -15,7 +15,8 @@ sides busy all the time.
 Run through the repo's environments (the vLLM venv runs the engines, this script does not
 import vllm):
     AFD_VLLM_PYTHON="$(scripts/vllm-env.sh)/bin/python" $(scripts/dev-env.sh)/bin/python benchmarks/e2e_cpu.py
-All prompts are batched together, so one engine step yields one token per prompt: tokens/s
+All prompts are scheduled together (the scheduler's limits are raised to the whole batch), so
+one decode step yields one token per prompt: tokens/s
 = prompts x max_tokens / generate time; mean step latency = generate time / max_tokens.
 """
 
