@@ -7,10 +7,11 @@ FFN servers' torch expert backend instead of vLLM's kernels.
 --suite stages: plain vLLM, then AFD with 1, 2 and 3 micro-batch stages under each placement,
 the Attention process on core 0 and one FFN server (1 rank) on core 1, one thread each, on a
 DeepSeek-V2 large enough that attention and expert compute are several ms per layer (--hidden,
---layers and --moe-inter rescale it; --moe-inter sets the FFN side's share). Besides tokens/s it reports, from both sides' stage traces within the generate
-window: the Attention side's busy time (wall - waits for replies), the FFN side's (expert
-passes + replies) and the overlap efficiency (busy A + busy F) / wall: 1 is serial, 2 is both
-sides busy all the time.
+--layers and --moe-inter rescale it; --moe-inter sets the FFN side's share). Besides tokens/s
+it reports, from both sides' stage traces within the generate window: the Attention side's busy
+time (wall - waits for replies), the FFN side's (expert passes + replies), the overlap
+efficiency (busy A + busy F) / wall (1 is serial, 2 is both sides busy all the time), the mean
+FFN expert pass, and what a second micro-batch costs each side.
 
 Run through the repo's environments (the vLLM venv runs the engines, this script does not
 import vllm):

@@ -54,7 +54,8 @@ def main() -> None:
         kwargs["worker_cls"] = request["worker_cls"]
     engine_args = dict(model=request["model"], dtype="float32", max_model_len=512,
                        max_num_batched_tokens=request.get("max_num_batched_tokens", 512),
-                       max_num_seqs=request.get("max_num_seqs", 8), seed=0, tensor_parallel_size=request.get("tensor_parallel_size", 1),
+                       max_num_seqs=request.get("max_num_seqs", 8), seed=0,
+                       tensor_parallel_size=request.get("tensor_parallel_size", 1),
                        load_format=request.get("load_format", "auto"), **kwargs)
     if request.get("config_only"):
         config = EngineArgs(**engine_args).create_engine_config()

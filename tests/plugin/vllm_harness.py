@@ -292,6 +292,8 @@ def run_driver(request: dict, logdir: Path, name: str, timeout: float = 400, tra
     if proc.returncode != 0:
         raise AssertionError(f"driver {name} failed ({proc.returncode}):\n{log.read_text(errors='replace')[-6000:]}")
     return json.loads(out_path.read_text())
+
+
 def post_json(port: int, path: str, body: dict, timeout: float = 120) -> dict:
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
