@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from afd_operator.api import AFDDeploymentSpec
 from afd_operator.controller import CreatePods, Decision, DeletePods, InstanceRecord, SetServing, StartDrain, decide
-from afd_operator.observe import ObservedPod
+from afd_operator.observe import TERMINATION_LINE_CHARS, ObservedPod, summarize_pod
 from afd_operator.planner import RolloutBudget, rollout_budget
 from afd_operator.revision import revision_of
 
@@ -104,6 +104,24 @@ def test_pod_failure_recreates_whole_instance_with_backoff() -> None:
     assert run(spec, [], d2.instances, now=NOW + 5).actions == []
     d3 = run(spec, [], d2.instances, now=NOW + 11)
     assert [(type(a), a.role) for a in d3.actions] == [(CreatePods, "ffn")]
+
+
+def test_a_failed_pods_reason_quotes_the_last_line_of_its_termination_message() -> None:
+    def failed(message: Optional[str]) -> Optional[str]:
+        terminated = {"exitCode": 1, "reason": "Error", **({"message": message} if message is not None else {})}
+        body = {"metadata": {"name": "x-abc-0-attn-0", "labels": {
+                    "afd.inference.dev/instance": "x-abc-0", "afd.inference.dev/revision": "abc",
+                    "afd.inference.dev/role": "attention", "afd.inference.dev/pod-ordinal": "0"}},
+                "status": {"phase": "Failed", "containerStatuses": [
+                    {"name": "attention", "state": {"terminated": terminated}}]}}
+        return summarize_pod(body).termination
+
+    log_tail = "Traceback (most recent call last):\n  ...\nPeerLostError: rank 0 (attention): AFD rendezvous failed\n\n"
+    assert failed(log_tail) == ("container attention Error (exit code 1): "
+                                "PeerLostError: rank 0 (attention): AFD rendezvous failed")
+    assert failed(None) == failed("  \n") == "container attention Error (exit code 1)"
+    long_line = failed("E" * 1000)
+    assert long_line.endswith("...") and len(long_line.split(": ", 1)[1]) == TERMINATION_LINE_CHARS
 
 
 def test_backoff_doubles_and_budget_exhausts_into_degraded() -> None:

@@ -80,7 +80,8 @@ def test_runtime_config_agrees_across_an_instance() -> None:
             assert pod.afd_config == AFDConfig(
                 role=pod.role, num_attention_ranks=4, num_ffn_ranks=4, host=inst.head_host,
                 port=inst.ports.connector, attn_ranks_per_dp=2, dynamic_quant=1,
-                shared_experts=SharedExpertsConfig(placement="attention", partition="affinity"))
+                shared_experts=SharedExpertsConfig(placement="attention", partition="affinity"),
+                rendezvous_timeout_seconds=1800.0)  # startup.timeoutSeconds
         assert sorted(pod.afd_config.role for pod in inst.pods) == ["attention", "attention", "ffn", "ffn"]
         heads = [pod for pod in inst.pods if pod.head]
         assert len(heads) == 1 and inst.head_host.startswith(heads[0].name + "." + inst.name + ".ns.svc.")

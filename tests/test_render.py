@@ -243,6 +243,27 @@ def test_each_pod_carries_its_planned_config_as_the_plugin_serializes_it() -> No
         assert (parsed.connector, parsed.dynamic_quant, parsed.shared_experts.partition) == ("p2p", 1, "contiguous")
 
 
+def test_startup_timeout_bounds_the_rendezvous_and_vllms_engine_start() -> None:
+    """An Attention head waits at the rendezvous for FFN servers still loading their experts,
+    and vLLM for that engine, as long as the instance may take to become Ready; a user's own
+    VLLM_ENGINE_READY_TIMEOUT_S wins."""
+    pods = of_kind(render_spec(spec_of(startup={"timeoutSeconds": 2400})), "Pod")
+    for pod in pods:
+        command = pod["spec"]["containers"][0]["command"]
+        block = parse_afd_config(json.loads(command[command.index("--additional-config") + 1]))
+        assert (block.rendezvous_timeout_seconds, block.timeout_seconds) == (2400.0, 60.0)
+        role = pod["metadata"]["labels"][naming.LABEL_ROLE]
+        assert env_of(pod).get("VLLM_ENGINE_READY_TIMEOUT_S") == ("2400" if role == "attention" else None)
+    user = spec_of(attention={"env": [{"name": "VLLM_ENGINE_READY_TIMEOUT_S", "value": "99"}]})
+    heads = [p for p in of_kind(render_spec(user), "Pod") if p["metadata"]["labels"][naming.LABEL_ROLE] == "attention"]
+    assert heads and all(env_of(p)["VLLM_ENGINE_READY_TIMEOUT_S"] == "99" for p in heads)
+
+
+def test_a_failed_rank_leaves_its_log_tail_as_termination_message() -> None:
+    for pod in of_kind(render_spec(spec_of()), "Pod"):
+        assert pod["spec"]["containers"][0]["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
 def test_the_revision_configmap_holds_only_the_plan_summary_and_no_pod_mounts_it() -> None:
     objs = render_spec(spec_of(replicas=1))
     (cm,) = of_kind(objs, "ConfigMap")

@@ -247,7 +247,9 @@ class StartupSpec(Strict):
     order: Literal["FFNFirst", "Parallel"] = Field(
         "FFNFirst", description="FFNFirst starts Attention pods once FFN pods run."
     )
-    timeout_seconds: int = Field(1800, ge=1, description="An instance not Ready by then is Failed.")
+    timeout_seconds: int = Field(1800, ge=1, description=(
+        "An instance not Ready by then is Failed. Also how long its Attention ranks wait at the "
+        "rendezvous for FFN servers still loading their experts, and vLLM for its engines."))
 
 
 class RecoverySpec(Strict):

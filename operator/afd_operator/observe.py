@@ -73,12 +73,30 @@ def _condition(status: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
     return {}
 
 
+# How much of a failed container's last log line the failure reason carries (it goes into
+# events and the status, which the API server bounds).
+TERMINATION_LINE_CHARS = 240
+
+
+def _last_line(message: Optional[str]) -> str:
+    lines = [line.strip() for line in (message or "").splitlines() if line.strip()]
+    if not lines:
+        return ""
+    line = lines[-1]
+    return line if len(line) <= TERMINATION_LINE_CHARS else line[:TERMINATION_LINE_CHARS - 3] + "..."
+
+
 def _termination(status: Mapping[str, Any]) -> Optional[str]:
+    """Why the pod's container ended, with the last line of its termination message: the
+    tail of its log when it failed (the pods' terminationMessagePolicy), usually the error, so
+    the event still names the cause after the pod is recreated."""
     for cs in status.get("containerStatuses") or []:
         term = (cs.get("state") or {}).get("terminated")
         if term:
             reason = term.get("reason") or "Terminated"
-            return f"container {cs.get('name')} {reason} (exit code {term.get('exitCode')})"
+            ended = f"container {cs.get('name')} {reason} (exit code {term.get('exitCode')})"
+            last = _last_line(term.get("message"))
+            return f"{ended}: {last}" if last else ended
     return None
 
 

@@ -220,6 +220,9 @@ def afd_config(spec: AFDDeploymentSpec, role: Role, host: str, port: int) -> AFD
         connector_extra_config=spec.connector.extra_config,
         shared_experts=SharedExpertsConfig(placement=spec.shared_experts.placement,
                                            partition=spec.shared_experts.partition),
+        # Rank 0 waits for FFN servers still loading their experts as long as the instance
+        # may take to become Ready; past that the operator fails the instance anyway.
+        rendezvous_timeout_seconds=float(spec.startup.timeout_seconds),
     )
 
 
@@ -277,6 +280,13 @@ def _common_env(spec: AFDDeploymentSpec, role: Role) -> list[tuple[str, str]]:
     return env
 
 
+def _engine_ready_env(spec: AFDDeploymentSpec) -> list[tuple[str, str]]:
+    """vLLM gives up on an engine that is not up within VLLM_ENGINE_READY_TIMEOUT_S (600 s by
+    default); an AFD engine's model load includes the rendezvous with FFN servers that may
+    still be loading, so the bound is the instance's startup timeout, like the probes'."""
+    return [("VLLM_ENGINE_READY_TIMEOUT_S", str(spec.startup.timeout_seconds))]
+
+
 # The head's vLLM API server serves /metrics from a prometheus_client multiprocess directory
 # when this is set, so counters of its engine-core and worker processes (the plugin's afd_*
 # metrics of each Attention rank) appear there beside vLLM's own. An emptyDir: fresh per pod.
@@ -316,8 +326,8 @@ def _attention_pod(
         name=naming.pod_name(plan_name, revision, index, "attention", ordinal),
         rank_start=rank_start, ranks=ranks, world_rank_start=rank_start, head=head,
         dp_start_rank=dp_start, dp_local=dp_local, command=tuple(command),
-        env=tuple(_common_env(spec, "attention") + ([("PROMETHEUS_MULTIPROC_DIR", PROMETHEUS_MULTIPROC_DIR)]
-                                                    if head else [])),
+        env=tuple(_common_env(spec, "attention") + _engine_ready_env(spec)
+                  + ([("PROMETHEUS_MULTIPROC_DIR", PROMETHEUS_MULTIPROC_DIR)] if head else [])),
         ports=tuple(pod_ports), afd_config=config,
     )
 

@@ -206,6 +206,9 @@ def render_pod(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, pod:
         "resources": _resources(spec, pod, overrides),
         "volumeMounts": mounts,
         "securityContext": {"allowPrivilegeEscalation": False},
+        # A rank that fails leaves its log's tail in its status; the operator's failure event
+        # quotes its last line after the pod is gone.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         **_probes(spec, pod),
     }
     if pod.head:

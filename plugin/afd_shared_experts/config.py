@@ -14,6 +14,10 @@ from typing import Any, Mapping
 
 DEFAULT_RENDEZVOUS_PORT = 1239
 DEFAULT_TIMEOUT_SECONDS = 60.0
+# How long rank 0 waits for every rank of its world to join: FFN servers load their experts
+# before they join, which for a large checkpoint takes minutes. vLLM's own bound on an engine
+# coming up (VLLM_ENGINE_READY_TIMEOUT_S) defaults to the same 600 s.
+DEFAULT_RENDEZVOUS_TIMEOUT_SECONDS = 600.0
 
 ROLES = ("attention", "ffn")
 PLACEMENTS = ("attention", "ffn")
@@ -47,6 +51,7 @@ TOP_LEVEL_KEYS = (
     "metrics_port",
     "health_port",
     "timeout_seconds",
+    "rendezvous_timeout_seconds",
 )
 EXTRA_KEYS = ("attn_ranks_per_dp", "dynamicQuant", "data_plane")
 # How payloads travel (docs/plugin-runtime.md): on the device backend, staged through host memory
@@ -116,6 +121,7 @@ class AFDConfig:
     metrics_port: int | None = None
     health_port: int | None = None
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    rendezvous_timeout_seconds: float = DEFAULT_RENDEZVOUS_TIMEOUT_SECONDS
 
     @property
     def world_size(self) -> int:
@@ -144,6 +150,7 @@ class AFDConfig:
             },
             "shared_experts": self.shared_experts.to_block(),
             "timeout_seconds": self.timeout_seconds,
+            "rendezvous_timeout_seconds": self.rendezvous_timeout_seconds,
         }
         # Unset probe ports are left out: the parser reads an absent key as None.
         for key, port in (("metrics_port", self.metrics_port), ("health_port", self.health_port)):
@@ -226,6 +233,13 @@ def _as_port(value: Any, path: str) -> int:
     return _as_int(value, path, minimum=0, maximum=65535)
 
 
+def _positive_seconds(raw: Mapping[str, Any], key: str, default: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise AFDConfigError(f"afd.{key}", "must be a positive number of seconds", value)
+    return float(value)
+
+
 def parse_afd_config(additional_config: Mapping[str, Any]) -> AFDConfig:
     """Parse vLLM's ``additional_config`` mapping (which must hold an ``afd`` block)."""
     if not isinstance(additional_config, Mapping) or "afd" not in additional_config:
@@ -304,9 +318,8 @@ def parse_afd_config(additional_config: Mapping[str, Any]) -> AFDConfig:
         if value is not None and value != 0 and value == port:
             raise AFDConfigError(f"afd.{name}", "must differ from afd.port (the rendezvous port)", value)
 
-    timeout = raw.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise AFDConfigError("afd.timeout_seconds", "must be a positive number of seconds", timeout)
+    timeout = _positive_seconds(raw, "timeout_seconds", DEFAULT_TIMEOUT_SECONDS)
+    rendezvous_timeout = _positive_seconds(raw, "rendezvous_timeout_seconds", DEFAULT_RENDEZVOUS_TIMEOUT_SECONDS)
 
     return AFDConfig(
         role=role,
@@ -324,5 +337,6 @@ def parse_afd_config(additional_config: Mapping[str, Any]) -> AFDConfig:
         shared_experts=shared,
         metrics_port=metrics_port,
         health_port=health_port,
-        timeout_seconds=float(timeout),
+        timeout_seconds=timeout,
+        rendezvous_timeout_seconds=rendezvous_timeout,
     )

@@ -49,7 +49,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from .config import DATA_PLANES, AFDConfig
+from .config import DATA_PLANES, DEFAULT_RENDEZVOUS_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS, AFDConfig
 from .device import (device_identity, host_buffer, new_process_group, orders_on_stream, resolve_device, to_device,
                      to_host)
 from .errors import AFDError, ConnectorClosedError, PairingError, PayloadError, PeerLostError
@@ -427,7 +427,8 @@ class P2PConnector(AFDConnector):
         local_experts: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
-        timeout_seconds: float = 60.0,
+        timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+        rendezvous_timeout_seconds: float = DEFAULT_RENDEZVOUS_TIMEOUT_SECONDS,
         data_plane: str = "auto",
         metrics: RuntimeMetrics | None = None,
         transport_wrapper: Callable[[Transport], Transport] | None = None,
@@ -447,6 +448,7 @@ class P2PConnector(AFDConnector):
         self.hidden_size, self.local_experts, self.dtype = hidden_size, local_experts, dtype
         self.device = resolve_device(device)
         self.timeout_seconds = timeout_seconds
+        self.rendezvous_timeout_seconds = rendezvous_timeout_seconds
         self.requested_data_plane = data_plane
         self.data_plane: str | None = None  # agreed by the world at init()
         self.metrics = metrics
@@ -479,7 +481,7 @@ class P2PConnector(AFDConnector):
         return cls(role=role, rank=rank, num_attention_ranks=cfg.num_attention_ranks,
                    num_ffn_ranks=cfg.num_ffn_ranks, host=cfg.host, port=cfg.port, hidden_size=hidden_size,
                    local_experts=local_experts, dtype=dtype, device=device, timeout_seconds=cfg.timeout_seconds,
-                   data_plane=data_plane or cfg.data_plane, metrics=metrics,
+                   rendezvous_timeout_seconds=cfg.rendezvous_timeout_seconds, data_plane=data_plane or cfg.data_plane, metrics=metrics,
                    transport_wrapper=transport_wrapper)
 
     # ------------------------------------------------------------------ lifetime
@@ -494,12 +496,13 @@ class P2PConnector(AFDConnector):
     def init(self) -> None:
         if self._closed.is_set():
             raise ConnectorClosedError(f"rank {self.rank}: init() after close()")
-        timeout = timedelta(seconds=self.timeout_seconds)
+        timeout = timedelta(seconds=self.rendezvous_timeout_seconds)
         try:
             # The store bounds the rendezvous; the process groups' own timeout would break the
             # pairs of an FFN rank that is merely idle, so liveness is checked by heartbeats instead.
             if self.rank != 0:
-                wait_for_listener(self.host, self.port, time.monotonic() + self.timeout_seconds, self._closed)
+                wait_for_listener(self.host, self.port, time.monotonic() + self.rendezvous_timeout_seconds,
+                                  self._closed)
             self._store = dist.TCPStore(self.host, self.port, self.world_size, self.rank == 0, timeout)
             self.data_plane = self._agree_on_data_plane()
             data_device = CPU if self._staged else self.device
@@ -517,7 +520,7 @@ class P2PConnector(AFDConnector):
             self._failed = True
             raise PeerLostError(
                 f"rank {self.rank} ({self.role}): AFD rendezvous at {self.host}:{self.port} for world size "
-                f"{self.world_size} failed within {self.timeout_seconds}s: {exc}"
+                f"{self.world_size} failed within {self.rendezvous_timeout_seconds}s: {exc}"
             ) from exc
         wrap = self._transport_wrapper or (lambda transport: transport)
         self._links = {name: _Link(name, wrap(transport), on_stream=orders_on_stream(groups[name]), rank=self.rank,

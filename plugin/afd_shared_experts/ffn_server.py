@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -202,8 +203,10 @@ class FFNServer:
                                               device))
 
     def _connect(self, world_rank: int, hidden: int, local_experts: int, dtype: torch.dtype, device: str):
-        """Rendezvous, retried until the Attention ranks are up or the server is stopped."""
-        cfg = self.cfg
+        """Rendezvous, retried until the Attention ranks are up or the server is stopped. Each
+        attempt is bounded by the liveness timeout, not the rendezvous one, so a server waiting
+        for its Attention ranks logs that it is still waiting."""
+        cfg = replace(self.cfg, rendezvous_timeout_seconds=self.cfg.timeout_seconds)
         while not self.stopping.is_set():
             connector = P2PConnector.from_config(cfg, role="ffn", rank=world_rank, hidden_size=hidden,
                                                  local_experts=local_experts, dtype=dtype, device=device,

@@ -102,7 +102,7 @@ def token_range(rank: int, num_tokens: int, attention_ranks: int) -> tuple[int, 
 
 def rank_connector(run: RunSpec, role: str, rank: int, spec, dtype: torch.dtype) -> P2PConnector:
     cfg = AFDConfig(role=role, num_attention_ranks=run.attention_ranks, num_ffn_ranks=run.ffn_ranks, host=run.host,
-                    port=run.port, timeout_seconds=run.timeout_seconds)
+                    port=run.port, timeout_seconds=run.timeout_seconds, rendezvous_timeout_seconds=run.timeout_seconds)
     return P2PConnector.from_config(cfg, role=role, rank=rank, hidden_size=spec.hidden_size,
                                     local_experts=spec.local_experts(run.ffn_ranks), dtype=dtype, device=run.device,
                                     data_plane=run.data_plane)

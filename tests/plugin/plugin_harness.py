@@ -170,13 +170,16 @@ def run_threads(targets: list, timeout: float = 120.0) -> list:
 
 
 def make_connector(spec, role: str, rank: int, attention_ranks: int, ffn_ranks: int, port: int, *,
-                   timeout: float, dtype: torch.dtype = torch.float32, **options):
-    """One rank's P2PConnector on loopback, built as the plugin builds it: from an AFDConfig."""
+                   timeout: float, rendezvous_timeout: float | None = None, dtype: torch.dtype = torch.float32,
+                   **options):
+    """One rank's P2PConnector on loopback, built as the plugin builds it: from an AFDConfig.
+    The rendezvous is bounded by ``timeout`` too unless ``rendezvous_timeout`` is given."""
     from afd_shared_experts.config import AFDConfig
     from afd_shared_experts.connector import P2PConnector
 
     cfg = AFDConfig(role=role, num_attention_ranks=attention_ranks, num_ffn_ranks=ffn_ranks, host="127.0.0.1",
-                    port=port, timeout_seconds=timeout)
+                    port=port, timeout_seconds=timeout,
+                    rendezvous_timeout_seconds=timeout if rendezvous_timeout is None else rendezvous_timeout)
     return P2PConnector.from_config(cfg, role=role, rank=rank, hidden_size=spec.hidden_size,
                                     local_experts=spec.local_experts(ffn_ranks), dtype=dtype, **options)
 

@@ -22,6 +22,8 @@ def test_defaults_and_types():
     assert (cfg.connector, cfg.async_dp, cfg.port, cfg.host) == ("p2p", True, 1239, "127.0.0.1")
     assert (cfg.shared_experts.placement, cfg.shared_experts.partition) == ("attention", "affinity")
     assert cfg.world_size == 6 and cfg.ffn_world_rank(1) == 5
+    # Liveness is short; the rendezvous waits for FFN servers that load their experts first.
+    assert (cfg.timeout_seconds, cfg.rendezvous_timeout_seconds) == (60.0, 600.0)
 
 
 def test_afd_plugin_aliases_and_string_numbers():
@@ -60,6 +62,8 @@ def test_afd_plugin_aliases_and_string_numbers():
     ({"num_stages": MAX_STAGES + 1}, "afd.num_stages", f"[1, {MAX_STAGES}]"),
     ({"metrics_port": 1239}, "afd.metrics_port", "must differ from afd.port"),
     ({"timeout_seconds": 0}, "afd.timeout_seconds", "positive"),
+    ({"rendezvous_timeout_seconds": -5}, "afd.rendezvous_timeout_seconds", "positive"),
+    ({"rendezvous_timeout_seconds": True}, "afd.rendezvous_timeout_seconds", "positive"),
     ({"role": "ffn", "afd_role": "ffn"}, "afd.afd_role", "duplicates"),
 ])
 def test_rejections_name_field_and_rule(afd, path, rule):
@@ -119,6 +123,7 @@ def afd_configs(draw) -> AFDConfig:
         metrics_port=metrics_port,
         health_port=health_port,
         timeout_seconds=draw(st.floats(min_value=1e-3, max_value=1e6, allow_nan=False)),
+        rendezvous_timeout_seconds=draw(st.floats(min_value=1e-3, max_value=1e6, allow_nan=False)),
     )
 
 

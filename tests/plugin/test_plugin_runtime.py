@@ -243,6 +243,45 @@ def test_a_rank_waiting_since_before_rank_0_joins_within_its_window():
             connector.close()
 
 
+def test_rank_0_waits_past_the_liveness_timeout_for_an_ffn_rank_still_loading():
+    """FFN servers join only once their experts are loaded, which can take longer than the
+    liveness timeout (a CI roll: an Attention head failed its rendezvous while its FFN pods were
+    loading on a busy node). Rank 0's bound is the rendezvous timeout; once the world is up,
+    liveness is the short timeout again."""
+    spec = SimpleNamespace(hidden_size=8, local_experts=lambda ffn_ranks: 2)
+    port = free_port()
+
+    def attention_rank():
+        made = make_connector(spec, "attention", 0, 1, 1, port, timeout=1, rendezvous_timeout=30)
+        made.init()
+        return made
+
+    def ffn_rank_after_loading():
+        time.sleep(4)  # four liveness timeouts
+        made = make_connector(spec, "ffn", 1, 1, 1, port, timeout=1, rendezvous_timeout=30)
+        made.init()
+        return made
+
+    started = time.monotonic()
+    made = run_threads([attention_rank, ffn_rank_after_loading], timeout=40)
+    try:
+        assert all(c.is_initialized for c in made) and time.monotonic() - started >= 4
+        assert [c.timeout_seconds for c in made] == [1.0, 1.0]
+    finally:
+        for c in made:
+            c.close()
+
+
+def test_rank_0_gives_up_after_the_rendezvous_timeout():
+    spec = SimpleNamespace(hidden_size=8, local_experts=lambda ffn_ranks: 2)
+    connector = make_connector(spec, "attention", 0, 1, 1, free_port(), timeout=1)
+    started = time.monotonic()
+    with pytest.raises(PeerLostError, match=r"for world size 2 failed within 1(\.0)?s: .*1/2 clients joined"):
+        connector.init()  # no FFN rank ever joins
+    assert time.monotonic() - started < 15
+    connector.close()
+
+
 def test_killed_ffn_rank_fails_attention_within_timeout(checkpoints):
     model_dir = checkpoints["deepseek_v2"]
     spec = load_spec(model_dir)

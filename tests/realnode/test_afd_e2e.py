@@ -251,10 +251,13 @@ def mem_available_bytes() -> int:
 class WorldWatch(BackgroundLoop):
     """The deployment's pods while it runs: for each connector world (instance) the revisions
     of its pods and any pod wired to another world; a timeline of (time, pod, Ready, serving)
-    changes to read failed requests against; the host's lowest available memory."""
+    changes to read failed requests against; the host's lowest available memory; the
+    termination message (the log's tail) of every container that failed, before the operator
+    replaces its pod."""
 
     node: RealNode
     worlds: dict[str, set[str]] = field(default_factory=dict)
+    failed_containers: dict[str, str] = field(default_factory=dict)
     cross_wired: list[str] = field(default_factory=list)
     timeline: list[tuple[str, str, bool, str]] = field(default_factory=list)
     lowest_available: int = field(default_factory=mem_available_bytes)
@@ -270,6 +273,11 @@ class WorldWatch(BackgroundLoop):
             if self._last.get(pod["metadata"]["name"]) != state:
                 self._last[pod["metadata"]["name"]] = state
                 self.timeline.append((time.strftime("%H:%M:%S"), pod["metadata"]["name"], *state))
+            for status in pod["status"].get("containerStatuses") or []:
+                ended = status["state"].get("terminated") or {}
+                if ended.get("exitCode"):
+                    self.failed_containers[f"{pod['metadata']['name']} ({status.get('containerID')})"] = \
+                        ended.get("message", "")
             instance = labels[LABEL + "instance"]
             self.worlds.setdefault(instance, set()).add(labels[LABEL + "revision"])
             wiring = json.dumps([c.get("command", []) + c.get("args", []) for c in pod["spec"]["containers"]])
@@ -277,6 +285,10 @@ class WorldWatch(BackgroundLoop):
                 self.cross_wired.append(pod["metadata"]["name"])
         time.sleep(1)
         return True
+
+    def failures(self) -> str:
+        return "".join(f"\n--- failed container {name}, its log's tail:\n{message}"
+                       for name, message in self.failed_containers.items())
 
 
 def delete_operator_pod(real_node: RealNode) -> None:
@@ -298,7 +310,10 @@ def roll(real_node: RealNode, manifest: dict, host: str, port: int,
                                  for p in afd_pods(real_node, NAMESPACE, NAME)),
                      "the first pod of the new revision", 120, interval=1)
             mid_rollout(real_node)
-        address = wait_serving(real_node, NAMESPACE, NAME, READY_TIMEOUT_SECONDS)
+        try:
+            address = wait_serving(real_node, NAMESPACE, NAME, READY_TIMEOUT_SECONDS)
+        except AssertionError as err:
+            raise AssertionError(f"{err}\n{watch.failures()}") from None
         time.sleep(10)  # requests keep flowing after the old world is gone
     return load, watch, address
 
@@ -320,7 +335,7 @@ def assert_rolled_cleanly(real_node: RealNode, load: Load, watch: WorldWatch) ->
     if load.failures:
         print("events of the failed roll:\n" + namespace_events(real_node))
     assert load.ok > 0 and not load.failures, (load.ok, len(load.failures), load.failures[:3], load.failures[-3:],
-                                               watch.timeline)
+                                               watch.timeline, watch.failures())
     assert all(len(revisions) == 1 for revisions in watch.worlds.values()) and not watch.cross_wired, \
         (watch.worlds, watch.cross_wired)
 
