@@ -143,7 +143,13 @@ def test_teardown_drops_only_that_deployments_memory() -> None:
     ns = Namespace({"a": spec(), "a-b": spec()})
     ns.until(lambda: ns.ready("a") and ns.ready("a-b"), "both Ready")
     ns.deleting = {"a"}
+    ns.round()
+    # The teardown shows in the status while it runs (rounds start from the last status).
+    assert [i["phase"] for i in ns.status("a")["instances"]] == ["Draining"]
     ns.until(lambda: "a" in ns.gone, "a torn down")
+    # Each phase change announced once, however many rounds the drain took.
+    phase_events = [m for n, _, reason, m in ns.writer.events if n == "a" and reason == "InstancePhase"]
+    assert len(phase_events) == len(set(phase_events)), phase_events
     assert (NS, "a") not in ns.reconciler.memory and (NS, "a-b") in ns.reconciler.memory
     assert ns.foreign_writes() == [] and not [c for n, c in ns.calls_by if n == "a-b" and c.verb == "delete"]
     assert ns.writer.pods(NS) == sorted(p.name for p in ns.writer.observed(NS, "a-b").pods)

@@ -121,12 +121,12 @@ class Reconciler:
         for event in decision.events:
             self.writer.event(t.body, event.type, event.reason, event.message)
 
-        if deleting:
-            finished = not decision.instances and not observed.pods
-            if finished:
-                self._finish_teardown(t, observed)
-            return ReconcileResult(finished=finished, next_wakeup=decision.next_wakeup)
+        if deleting and not decision.instances and not observed.pods:
+            self._finish_teardown(t, observed)
+            return ReconcileResult(finished=True, next_wakeup=decision.next_wakeup)
 
+        # Written while deleting too: the instances' phases show the teardown, and the next
+        # round starts from them, so each phase change is announced once.
         self._write_status(t, build_status(t.name, spec, revision, decision, observed.pods, t.previous,
                                            t.generation, now))
         self.metrics.record_decision(t.namespace, t.name, decision)
