@@ -184,13 +184,20 @@ def test_scale_down_drains_highest_index_in_order() -> None:
     recs = [record(spec, 0, "Ready"), record(spec, 1, "Ready")]
     d = run(spec, pods, recs)
     assert [(type(a), a.pods) for a in d.actions] == [(StartDrain, (f"d-{revision_of(spec)}-1-attn-0",))]
-    # Drain started: wait drainSeconds, then Attention pods, then FFN pods, then gone.
+    # Drain started: wait drainSeconds, then the head alone, then the other Attention pods once
+    # it is gone (the head's engine steps with its DP peers until it has drained), then FFN
+    # pods, then gone.
     started = [replace(p, drain_started_at=NOW, serving=False) if p.index == 1 and p.head else p for p in pods]
     recs = d.instances
     assert [r.phase for r in recs] == ["Ready", "Draining"]
     assert [a for a in run(spec, started, recs, now=NOW + 5).actions if not isinstance(a, SetServing)] == []
     d = run(spec, started, recs, now=NOW + 21)
-    assert [(type(a), len(a.pods)) for a in d.actions] == [(DeletePods, 2)]
+    assert [(type(a), a.pods) for a in d.actions] == [(DeletePods, (f"d-{revision_of(spec)}-1-attn-0",))]
+    head_terminating = [replace(p, deleting=True) if p.index == 1 and p.head else p for p in started]
+    assert run(spec, head_terminating, d.instances, now=NOW + 22).actions == []
+    no_head = [p for p in started if not (p.index == 1 and p.head)]
+    d = run(spec, no_head, d.instances, now=NOW + 22)
+    assert [(type(a), a.pods) for a in d.actions] == [(DeletePods, (f"d-{revision_of(spec)}-1-attn-1",))]
     no_attention = [p for p in started if not (p.index == 1 and p.role == "attention")]
     d = run(spec, no_attention, d.instances, now=NOW + 22)
     assert [(type(a), a.pods) for a in d.actions] == [(DeletePods, (f"d-{revision_of(spec)}-1-ffn-0",))]
@@ -254,8 +261,8 @@ def test_revert_mid_rollout_keeps_serving_old_and_deletes_unready_new() -> None:
     recs = [record(old, 0, "Ready"), record(new, 1, "Starting")]
     d = run(old, pods, recs)  # the spec went back to the old revision
     deleted = [p for a in d.actions if isinstance(a, DeletePods) for p in a.pods]
-    # Ordered drain of the never-Ready instance: its Attention pods go first.
-    assert sorted(deleted) == sorted(p.name for p in pods if p.index == 1 and p.role == "attention")
+    # Ordered drain of the never-Ready instance: its Attention head goes first.
+    assert deleted == [p.name for p in pods if p.index == 1 and p.head]
     assert not any(isinstance(a, StartDrain) for a in d.actions)
 
 
@@ -308,7 +315,7 @@ def test_drain_ends_early_when_head_reports_idle() -> None:
     assert run(spec, pods, rec).actions == []  # busy (or unknown): wait the window
     head = next(p.name for p in pods if p.head)
     d = decide(spec, "d", revision_of(spec), pods, rec, NOW, idle_heads=frozenset({head}))
-    assert [(type(a), len(a.pods)) for a in d.actions] == [(DeletePods, 2)]
+    assert [(type(a), a.pods) for a in d.actions] == [(DeletePods, (head,))]
 
 
 def test_rollout_budget_rounds_surge_up_and_unavailable_down() -> None:

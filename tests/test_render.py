@@ -259,6 +259,33 @@ def test_startup_timeout_bounds_the_rendezvous_and_vllms_engine_start() -> None:
     assert heads and all(env_of(p)["VLLM_ENGINE_READY_TIMEOUT_S"] == "99" for p in heads)
 
 
+def threads_by_role(spec: AFDDeploymentSpec) -> dict[str, set]:
+    out: dict[str, set] = {}
+    for pod in of_kind(render_spec(spec), "Pod"):
+        out.setdefault(pod["metadata"]["labels"][naming.LABEL_ROLE], set()).add(env_of(pod).get("OMP_NUM_THREADS"))
+    return out
+
+
+def test_cpu_rank_processes_get_their_share_of_the_pods_cores_as_openmp_threads() -> None:
+    """Platform cpu: each rank process's OpenMP threads are its share of the container's CPU
+    limit (else request), at least 1; none set without a CPU, on Ascend, or over a user's own."""
+    def cpu_spec(attention_cpu: dict, ffn_cpu: dict, **overrides: Any) -> AFDDeploymentSpec:
+        return spec_of(platform="cpu", attention={"podTemplate": {"resources": attention_cpu}, **overrides},
+                       ffn={"podTemplate": {"resources": ffn_cpu}})
+
+    # Attention pods hold 2 ranks (DP 2 x TP 2 over 2 devices per pod), FFN pods 2 ranks.
+    assert threads_by_role(cpu_spec({"limits": {"cpu": "8"}, "requests": {"cpu": "1"}},
+                                    {"requests": {"cpu": "3"}})) == {"attention": {"4"}, "ffn": {"1"}}
+    assert threads_by_role(cpu_spec({"requests": {"cpu": "500m"}}, {"limits": {"cpu": 6}})) == \
+        {"attention": {"1"}, "ffn": {"3"}}
+    assert threads_by_role(cpu_spec({"requests": {"memory": "1Gi"}}, {})) == {"attention": {None}, "ffn": {None}}
+    user = cpu_spec({"limits": {"cpu": "8"}}, {"limits": {"cpu": "8"}},
+                    env=[{"name": "OMP_NUM_THREADS", "value": "7"}])
+    assert threads_by_role(user) == {"attention": {"7"}, "ffn": {"4"}}
+    ascend = spec_of(attention={"podTemplate": {"resources": {"limits": {"cpu": "8"}}}})
+    assert threads_by_role(ascend) == {"attention": {None}, "ffn": {None}}
+
+
 def test_a_failed_rank_leaves_its_log_tail_as_termination_message() -> None:
     for pod in of_kind(render_spec(spec_of()), "Pod"):
         assert pod["spec"]["containers"][0]["terminationMessagePolicy"] == "FallbackToLogsOnError"

@@ -391,6 +391,14 @@ class _Decider:
         if window_open and head.name not in self.idle_heads:
             self.decision.wake_at(head.drain_started_at + self.spec.termination.drain_seconds)
             return
+        # The head goes first and alone: through its preStop and vLLM's drain it still serves
+        # what kube-proxy routes to it, and every step of its engine needs its DP peers in the
+        # other Attention pods. Deleted together, a peer exited within a second and the head's
+        # request in flight failed with HTTP 500 (the real node, a roll from DP 2 over 2 pods).
+        if head is not None:
+            if not head.deleting:
+                act.append(DeletePods(view.name, pods=(head.name,)))
+            return
         attention = [p for p in view.of_role("attention") if not p.deleting]
         if attention:
             act.append(DeletePods(view.name, pods=tuple(p.name for p in attention)))

@@ -19,6 +19,7 @@ pods declare ports: headless Attention pods may share a node with any pod.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Iterable, Literal, Optional, Union
 
@@ -280,6 +281,39 @@ def _common_env(spec: AFDDeploymentSpec, role: Role) -> list[tuple[str, str]]:
     return env
 
 
+# A Kubernetes CPU quantity: cores, with an optional SI suffix ("500m", "2", "1.5", "2k").
+_CPU_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(m|k|M|G|T|P|E)?$")
+_CPU_SUFFIX = {None: 1.0, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+
+
+def container_cpus(resources: Optional[dict]) -> Optional[float]:
+    """The cores a container may use: its CPU limit, else its request; None when neither is
+    set or the value is not a CPU quantity (the API server then names the field)."""
+    for kind in ("limits", "requests"):
+        value = ((resources or {}).get(kind) or {}).get("cpu")
+        if value is None:
+            continue
+        match = _CPU_QUANTITY.match(str(value))
+        return float(match.group(1)) * _CPU_SUFFIX[match.group(2)] if match else None
+    return None
+
+
+def _cpu_threads_env(spec: AFDDeploymentSpec, role: Role, rank_processes: int) -> list[tuple[str, str]]:
+    """OMP_NUM_THREADS of each rank process on CPU nodes. With the binding off (above) every
+    process's OpenMP pool spans all the host's cores whatever its pod was given, so pods sharing
+    a node oversubscribe it and spin on each other's cores: on the 2-core test bed an Attention
+    DP 2 instance served 1.9x more requests per CPU second at one thread per process than at two
+    (benchmarks/cpu_threads.py). Each rank gets its share of the container's cores, at least one
+    thread; nothing is set when the pod names no CPU."""
+    if spec.platform != "cpu":
+        return []
+    role_spec = spec.attention if role == "attention" else spec.ffn
+    cpus = container_cpus(role_spec.pod_template.resources)
+    if cpus is None:
+        return []
+    return [("OMP_NUM_THREADS", str(max(1, math.floor(cpus / rank_processes))))]
+
+
 def _engine_ready_env(spec: AFDDeploymentSpec) -> list[tuple[str, str]]:
     """vLLM gives up on an engine that is not up within VLLM_ENGINE_READY_TIMEOUT_S (600 s by
     default); an AFD engine's model load includes the rendezvous with FFN servers that may
@@ -326,7 +360,7 @@ def _attention_pod(
         name=naming.pod_name(plan_name, revision, index, "attention", ordinal),
         rank_start=rank_start, ranks=ranks, world_rank_start=rank_start, head=head,
         dp_start_rank=dp_start, dp_local=dp_local, command=tuple(command),
-        env=tuple(_common_env(spec, "attention") + _engine_ready_env(spec)
+        env=tuple(_common_env(spec, "attention") + _cpu_threads_env(spec, "attention", ranks) + _engine_ready_env(spec)
                   + ([("PROMETHEUS_MULTIPROC_DIR", PROMETHEUS_MULTIPROC_DIR)] if head else [])),
         ports=tuple(pod_ports), afd_config=config,
     )
@@ -355,7 +389,7 @@ def _ffn_pod(
         name=naming.pod_name(plan_name, revision, index, "ffn", ordinal),
         rank_start=rank_start, ranks=ranks, world_rank_start=attention_ranks + rank_start, head=False,
         dp_start_rank=None, dp_local=None, command=tuple(command),
-        env=tuple(_common_env(spec, "ffn")),
+        env=tuple(_common_env(spec, "ffn") + _cpu_threads_env(spec, "ffn", ranks)),
         ports=tuple(pod_ports), afd_config=config,
     )
 

@@ -211,11 +211,11 @@ SERVE_ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len",
 
 def start_vllm_serve(model: Path, api_port: int, logdir: Path, name: str, *, block: dict | None = None,
                      data_parallel: int = 1, tensor_parallel: int = 1, extra_args: tuple[str, ...] = (),
-                     trace_dir: Path | None = None) -> Proc:
+                     trace_dir: Path | None = None, env: dict[str, str] | None = None) -> Proc:
     """`vllm serve` (the real console script) on 127.0.0.1:api_port, parallel flags and the
     head's metrics directory as the operator renders them (plus `extra_args`); `block` is the
     afd config (None: plain vLLM); `trace_dir`: where the Attention ranks write their stage
-    traces (trace.py)."""
+    traces (trace.py); `env`: laid over base_env."""
     argv = [vllm_console_script(), "serve", str(model), "--host", "127.0.0.1", "--port", str(api_port),
             *SERVE_ENGINE_ARGS, "--tensor-parallel-size", str(tensor_parallel), "--data-parallel-size", str(data_parallel),
             "--data-parallel-size-local", str(data_parallel), "--data-parallel-address", "127.0.0.1",
@@ -225,7 +225,8 @@ def start_vllm_serve(model: Path, api_port: int, logdir: Path, name: str, *, blo
     argv += list(extra_args)
     metrics_dir = logdir / f"{name}-prometheus"
     metrics_dir.mkdir()
-    return Proc(argv, logdir / f"{name}.log", base_env(PROMETHEUS_MULTIPROC_DIR=str(metrics_dir), **trace_env(trace_dir)))
+    return Proc(argv, logdir / f"{name}.log",
+                base_env(PROMETHEUS_MULTIPROC_DIR=str(metrics_dir), **trace_env(trace_dir), **(env or {})))
 
 
 def trace_env(trace_dir: Path | None) -> dict[str, str]:
@@ -235,11 +236,11 @@ def trace_env(trace_dir: Path | None) -> dict[str, str]:
 def start_ffn_servers(model: Path, block: dict, logdir: Path, count: int = 2, tag: str = "ffn",
                       extra_args: tuple[str, ...] = (), split: tuple[int, ...] | None = None,
                       python: str | None = None, trace_dir: Path | None = None,
-                      cpus: set[int] | None = None) -> list[tuple[Proc, int]]:
+                      cpus: set[int] | None = None, env: dict[str, str] | None = None) -> list[tuple[Proc, int]]:
     """FFN servers (pods) with consecutive FFN ranks, command lines as the operator renders them
     (plus `extra_args`): `split` gives each server's rank count (default `count` servers of one
-    rank); `python` the interpreter (default the vLLM venv's); `trace_dir` as for start_vllm_serve;
-    `cpus`: the cores they run on (default any)."""
+    rank); `python` the interpreter (default the vLLM venv's); `trace_dir` and `env` as for
+    start_vllm_serve; `cpus`: the cores they run on (default any)."""
     servers = []
     ffn_block = {"afd": {**block["afd"], "role": "ffn"}}
     rank_start = 0
@@ -250,7 +251,8 @@ def start_ffn_servers(model: Path, block: dict, logdir: Path, count: int = 2, ta
                 "--health-port", str(health),
                 "--max-num-batched-tokens", "512", "--dtype", "float32", "--max-model-len", "512",
                 "--additional-config", json.dumps(ffn_block), "--bind-host", "127.0.0.1", *extra_args]
-        servers.append((Proc(argv, logdir / f"{tag}-{index}.log", base_env(**trace_env(trace_dir)), cpus), health))
+        servers.append((Proc(argv, logdir / f"{tag}-{index}.log", base_env(**trace_env(trace_dir), **(env or {})),
+                             cpus), health))
         rank_start += local_ranks
     return servers
 

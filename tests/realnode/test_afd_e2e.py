@@ -94,7 +94,9 @@ def plain_vllm(real_node: RealNode, project_images: dict, checkpoint: Path, name
                 "command": ["vllm", "serve", f"{MOUNT}/{MODEL_DIR}", "--served-model-name", NAME,
                             "--port", str(API_PORT), "--dtype", "float32", "--enforce-eager",
                             "--max-model-len", "512", "--max-num-batched-tokens", "512", *KV_CACHE_ARGS],
-                "env": VLLM_ENV + [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}],
+                # What the operator renders for a rank of a pod given 100m (planner._cpu_threads_env).
+                "env": VLLM_ENV + [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"},
+                                   {"name": "OMP_NUM_THREADS", "value": "1"}],
                 "readinessProbe": {"httpGet": {"path": "/health", "port": API_PORT}, "periodSeconds": 2},
                 "volumeMounts": [{"name": "model", "mountPath": MOUNT, "readOnly": True}],
                 **SMALL}],
@@ -301,6 +303,7 @@ def roll(real_node: RealNode, manifest: dict, host: str, port: int,
     """Apply `manifest` under load and wait until it serves; `mid_rollout(node)` runs once the
     first pod of the new revision exists."""
     with WorldWatch(real_node) as watch, Load(host, port) as load:
+        started = time.monotonic()
         apply(real_node, manifest)
         revision = wait_for(lambda: (afd := get_afd(real_node, NAMESPACE, NAME))["status"].get("observedGeneration")
                             == afd["metadata"]["generation"] and afd["status"]["updateRevision"],
@@ -314,6 +317,7 @@ def roll(real_node: RealNode, manifest: dict, host: str, port: int,
             address = wait_serving(real_node, NAMESPACE, NAME, READY_TIMEOUT_SECONDS)
         except AssertionError as err:
             raise AssertionError(f"{err}\n{watch.failures()}") from None
+        print(f"roll: rolled out {time.monotonic() - started:.0f} s after the apply")
         time.sleep(10)  # requests keep flowing after the old world is gone
     return load, watch, address
 
