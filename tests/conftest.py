@@ -17,6 +17,19 @@ settings.load_profile("afd")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
+# The xdist group of the whole_machine tests: real vLLM servers and the real node each use most
+# of this machine's memory and cores, so they run one at a time on one worker, while the other
+# worker runs the rest (light: the API server tests, plain torch). They come first, so the light
+# tests end while the vLLM ones run, long before the real node measures the host's memory.
+WHOLE_MACHINE_GROUP = "whole-machine"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist names each test's group from its markers
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    heavy = [item for item in items if item.get_closest_marker("whole_machine")]
+    for item in heavy:
+        item.add_marker(pytest.mark.xdist_group(WHOLE_MACHINE_GROUP))
+    items[:] = heavy + [item for item in items if not item.get_closest_marker("whole_machine")]
 
 
 @pytest.fixture(scope="session")
