@@ -10,7 +10,14 @@ import yaml
 from afd_devcluster.tools import Helm, wait_for  # noqa: F401  (re-exported for the tests)
 
 
-DELETE = object()  # a value for set_path that removes the key
+class _Delete:
+    """A value for set_path that removes the key; one repr in every process (test ids under xdist)."""
+
+    def __repr__(self) -> str:
+        return "DELETE"
+
+
+DELETE = _Delete()
 
 
 def set_path(obj: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:

@@ -278,6 +278,8 @@ def test_cpu_rank_processes_get_their_share_of_the_pods_cores_as_openmp_threads(
                                     {"requests": {"cpu": "3"}})) == {"attention": {"4"}, "ffn": {"1"}}
     assert threads_by_role(cpu_spec({"requests": {"cpu": "500m"}}, {"limits": {"cpu": 6}})) == \
         {"attention": {"1"}, "ffn": {"3"}}
+    assert threads_by_role(cpu_spec({"limits": {"cpu": "4500m"}}, {"requests": {"cpu": "0.5e1"}})) == \
+        {"attention": {"2"}, "ffn": {"2"}}
     assert threads_by_role(cpu_spec({"requests": {"memory": "1Gi"}}, {})) == {"attention": {None}, "ffn": {None}}
     user = cpu_spec({"limits": {"cpu": "8"}}, {"limits": {"cpu": "8"}},
                     env=[{"name": "OMP_NUM_THREADS", "value": "7"}])

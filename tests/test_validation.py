@@ -74,6 +74,15 @@ MALFORMED = [
     ("spec.ffn.healthPort", 13345, "spec.ffn.healthPort", "collides with spec.attention.dataParallelRpcPort"),
     ("spec.ascend.resourceName", "Ascend910", "spec.ascend.resourceName", "extended resource name"),
     ("spec.ascend.shmSize", "lots", "spec.ascend.shmSize", "Kubernetes quantity"),
+    ("spec.ascend.shmSize", "0", "spec.ascend.shmSize", "positive Kubernetes quantity"),
+    ("spec.attention.podTemplate.resources", {"limits": {"cpu": "two"}}, "spec.attention.podTemplate.resources.limits.cpu",
+     "'two' is not a Kubernetes quantity"),
+    ("spec.attention.podTemplate.resources", {"limits": "4"}, "spec.attention.podTemplate.resources.limits",
+     "map of resource name to quantity"),
+    ("spec.ffn.podTemplate.resources", {"requests": {"memory": "-1Gi"}}, "spec.ffn.podTemplate.resources.requests.memory",
+     "must not be negative"),
+    ("spec.ffn.podTemplate.resources", {"requests": {"cpu": "2"}, "limits": {"cpu": "500m"}},
+     "spec.ffn.podTemplate.resources.requests.cpu", "must be <= limits.cpu (500m), got 2"),
     ("spec.ascend.driverHostPaths", ["usr/local/dcmi"], "spec.ascend.driverHostPaths", "absolute path"),
     ("spec.ascend.hcclBufferSizeMB", {"attention": 0}, "spec.ascend.hcclBufferSizeMB.attention", "greater than or equal to 1"),
     ("spec.ascend.hostPortStride", 1, "spec.metrics.port", "collides with spec.ffn.healthPort of instance 0 (instance 1)"),
@@ -133,6 +142,14 @@ def test_stages_refused_where_they_cannot_run_on_cpu(change: str, value: Any, ru
     assert any(p.startswith("spec.async.stages: " + rule) for p in problems), problems
     obj["spec"]["async"] = {}  # the default runs one stage
     assert validate_object(obj)[1] == []
+
+
+def test_a_bad_cpu_quantity_on_the_cpu_platform_is_a_problem_not_a_crash() -> None:
+    # The planner reads the CPU there (OpenMP threads per rank): validation reports the field first.
+    obj = set_path(with_change("spec.platform", "cpu"), "spec.ffn.podTemplate.resources", {"limits": {"cpu": "1.5.0"}})
+    _, problems = validate_object(obj)
+    assert [str(p) for p in problems] == [
+        "spec.ffn.podTemplate.resources.limits.cpu: '1.5.0' is not a Kubernetes quantity (e.g. 500m, 2, 4Gi)"]
 
 
 def test_all_problems_reported_at_once() -> None:

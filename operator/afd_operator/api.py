@@ -12,6 +12,7 @@ import re
 from enum import Enum
 from typing import Any, Literal, Optional, Union
 
+from kubernetes.utils.quantity import parse_quantity
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -36,7 +37,6 @@ FREE_FORM = {"x-kubernetes-preserve-unknown-fields": True}
 INT_OR_STRING = {"x-kubernetes-int-or-string": True}
 
 _PERCENT = re.compile(r"^(0|[1-9][0-9]*)%$")
-_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 # <prefix>/<name> as Kubernetes accepts for extended resource names.
 _RESOURCE_NAME = re.compile(
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)/([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)$"
@@ -220,9 +220,12 @@ class AscendSpec(Strict):
     @field_validator("shm_size")
     @classmethod
     def _valid_quantity(cls, v: str) -> str:
-        if not _QUANTITY.match(v):
-            raise ValueError("must be a Kubernetes quantity such as '16Gi'")
-        return v
+        try:
+            if parse_quantity(v) > 0:
+                return v
+        except ValueError:
+            pass
+        raise ValueError("must be a positive Kubernetes quantity such as '16Gi'")
 
     @field_validator("driver_host_paths")
     @classmethod

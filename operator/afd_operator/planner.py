@@ -19,9 +19,11 @@ pods declare ports: headless Attention pods may share a node with any pod.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Iterable, Literal, Optional, Union
+
+from kubernetes.utils.quantity import parse_quantity
 
 from afd_shared_experts.config import AFDConfig, SharedExpertsConfig, stage_limit
 
@@ -281,20 +283,13 @@ def _common_env(spec: AFDDeploymentSpec, role: Role) -> list[tuple[str, str]]:
     return env
 
 
-# A Kubernetes CPU quantity: cores, with an optional SI suffix ("500m", "2", "1.5", "2k").
-_CPU_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(m|k|M|G|T|P|E)?$")
-_CPU_SUFFIX = {None: 1.0, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
-
-
-def container_cpus(resources: Optional[dict]) -> Optional[float]:
-    """The cores a container may use: its CPU limit, else its request; None when neither is
-    set or the value is not a CPU quantity (the API server then names the field)."""
+def _container_cores(resources: Optional[dict]) -> Optional[Decimal]:
+    """The cores a container may use: its CPU limit, else its request; None when neither is set
+    (quantities checked by validation._check_resources)."""
     for kind in ("limits", "requests"):
         value = ((resources or {}).get(kind) or {}).get("cpu")
-        if value is None:
-            continue
-        match = _CPU_QUANTITY.match(str(value))
-        return float(match.group(1)) * _CPU_SUFFIX[match.group(2)] if match else None
+        if value is not None:
+            return parse_quantity(value)
     return None
 
 
@@ -308,10 +303,10 @@ def _cpu_threads_env(spec: AFDDeploymentSpec, role: Role, rank_processes: int) -
     if spec.platform != "cpu":
         return []
     role_spec = spec.attention if role == "attention" else spec.ffn
-    cpus = container_cpus(role_spec.pod_template.resources)
-    if cpus is None:
+    cores = _container_cores(role_spec.pod_template.resources)
+    if cores is None:
         return []
-    return [("OMP_NUM_THREADS", str(max(1, math.floor(cpus / rank_processes))))]
+    return [("OMP_NUM_THREADS", str(max(1, math.floor(cores / rank_processes))))]
 
 
 def _engine_ready_env(spec: AFDDeploymentSpec) -> list[tuple[str, str]]:

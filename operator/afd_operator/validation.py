@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from afd_shared_experts.config import AFDConfigError
+from kubernetes.utils.quantity import parse_quantity
 from pydantic import ValidationError
 
 from . import naming
@@ -100,6 +101,37 @@ def _check_env(path: str, env: list[EnvVar]) -> list[Problem]:
         if var.name in seen:
             problems.append(Problem(f"{path}[{i}].name", f"duplicate of {path}[{seen[var.name]}].name '{var.name}'"))
         seen.setdefault(var.name, i)
+    return problems
+
+
+def _check_resources(path: str, resources: Optional[dict[str, Any]]) -> list[Problem]:
+    """requests and limits as the API server checks a container's: quantities, not negative, no
+    request above its limit. Refused here, not by the API server while it creates an instance's
+    pods one by one (and by the planner, which reads the CPU)."""
+    problems = []
+    amounts: dict[str, dict[str, Any]] = {}
+    for kind in ("requests", "limits"):
+        given = (resources or {}).get(kind)
+        if given is None:
+            continue
+        if not isinstance(given, dict):
+            problems.append(Problem(f"{path}.{kind}", "must be a map of resource name to quantity"))
+            continue
+        for resource, value in given.items():
+            field = f"{path}.{kind}.{resource}"
+            try:
+                amount = parse_quantity(value)
+            except ValueError:
+                problems.append(Problem(field, f"'{value}' is not a Kubernetes quantity (e.g. 500m, 2, 4Gi)"))
+                continue
+            if amount < 0:
+                problems.append(Problem(field, f"must not be negative (got {value})"))
+            amounts.setdefault(kind, {})[resource] = (value, amount)
+    for resource, (value, amount) in amounts.get("requests", {}).items():
+        limit = amounts.get("limits", {}).get(resource)
+        if limit is not None and amount > limit[1]:
+            problems.append(Problem(f"{path}.requests.{resource}", f"must be <= limits.{resource} ({limit[0]}), "
+                                                                     f"got {value}"))
     return problems
 
 
@@ -275,6 +307,8 @@ def check_spec(spec: AFDDeploymentSpec, name: str, namespace: str = "default") -
     problems += _check_stages(spec)
     problems += _check_env("spec.attention.env", spec.attention.env)
     problems += _check_env("spec.ffn.env", spec.ffn.env)
+    problems += _check_resources("spec.attention.podTemplate.resources", spec.attention.pod_template.resources)
+    problems += _check_resources("spec.ffn.podTemplate.resources", spec.ffn.pod_template.resources)
     if spec.recovery.max_backoff_seconds < spec.recovery.backoff_seconds:
         problems.append(Problem(
             "spec.recovery.maxBackoffSeconds",
