@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import pytest
 from hypothesis import settings
+from xdist.scheduler import LoadScopeScheduling
 
 from afd_devcluster import ControlPlane, control_plane
 
@@ -17,19 +18,41 @@ settings.load_profile("afd")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
-# The xdist group of the whole_machine tests: real vLLM servers and the real node each use most
-# of this machine's memory and cores, so they run one at a time on one worker, while the other
-# worker runs the rest (light: the API server tests, plain torch). They come first, so the light
-# tests end while the vLLM ones run, long before the real node measures the host's memory.
-WHOLE_MACHINE_GROUP = "whole-machine"
+# Tests that run real vLLM servers (an engine beside FFN server processes) or the real node:
+# each uses most of this machine's memory and cores. Under xdist (pyproject: -n 2) they are one
+# work unit, run in order on one worker, while the other worker runs every other test (the API
+# server tier, plain torch, single vLLM processes). The unit is scheduled first (xdist starts
+# the largest), so the other tests end while the vLLM servers run, well before the real node
+# measures the host's memory.
+WHOLE_MACHINE_MODULES = ("tests/plugin/test_vllm_e2e_offline.py", "tests/plugin/test_vllm_ffn_multi_rank.py",
+                         "tests/plugin/test_vllm_graph_modes.py", "tests/plugin/test_vllm_serve_e2e.py",
+                         "tests/realnode/")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist names each test's group from its markers
+def is_whole_machine(nodeid: str) -> bool:
+    return nodeid.split("::", 1)[0].startswith(WHOLE_MACHINE_MODULES)
+
+
+class WholeMachineUnit(LoadScopeScheduling):
+    """xdist's scope scheduler with one scope for all whole-machine tests, one per other test.
+    (xdist_group cannot do it here: xdist 3.8 tags the group into `_nodeid`, which pytest 9.2
+    no longer reads.)"""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return "whole-machine" if is_whole_machine(nodeid) else nodeid
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log) -> Optional[LoadScopeScheduling]:
+    # xdist's default mode only; an explicit --dist keeps xdist's own scheduler.
+    return WholeMachineUnit(config, log) if config.getvalue("dist") == "load" else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    heavy = [item for item in items if item.get_closest_marker("whole_machine")]
-    for item in heavy:
-        item.add_marker(pytest.mark.xdist_group(WHOLE_MACHINE_GROUP))
-    items[:] = heavy + [item for item in items if not item.get_closest_marker("whole_machine")]
+    # Selectable with -m whole_machine / -m "not whole_machine".
+    for item in items:
+        if is_whole_machine(item.nodeid):
+            item.add_marker(pytest.mark.whole_machine)
 
 
 @pytest.fixture(scope="session")

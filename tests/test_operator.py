@@ -222,6 +222,11 @@ def test_delete_tears_down_in_order_and_leaves_nothing(env: Env) -> None:
         attention = [t for n, t in deleted_at.items() if n.startswith(instance) and "-attn-" in n]
         ffn = [t for n, t in deleted_at.items() if n.startswith(instance) and "-ffn-" in n]
         assert attention and ffn and max(attention) <= min(ffn), "Attention pods must go before FFN pods"
+        # The DP group's head goes alone first: a peer that exits while the head still serves
+        # fails the head's engine (controller.drain).
+        head = f"{instance}-attn-0"
+        peers = [t for n, t in deleted_at.items() if n.startswith(f"{instance}-attn-") and n != head]
+        assert peers and deleted_at[head] < min(peers), deleted_at
 
 
 def test_operator_killed_mid_rollout_converges_without_duplicates(env: Env, operator: OperatorProcess) -> None:

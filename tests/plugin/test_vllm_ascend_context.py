@@ -11,8 +11,6 @@ import pytest
 from plugin_harness import write_checkpoint
 from test_vllm_ffn_experts import run_vllm_driver
 
-pytestmark = pytest.mark.whole_machine
-
 DRIVER = Path(__file__).resolve().parent / "vllm_ascend_context_driver.py"
 THE_CONFIG = "<the rank's VllmConfig>"
 NUM_FFN_RANKS = 2

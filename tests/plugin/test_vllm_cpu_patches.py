@@ -6,11 +6,7 @@ patched RotaryEmbedding the rotation is exact and batch-independent."""
 import json
 import subprocess
 
-import pytest
-
 from vllm_harness import HERE, REPO_ROOT, base_env, vllm_python
-
-pytestmark = pytest.mark.whole_machine
 
 
 def test_rotary_patch_makes_3d_rotation_exact_where_the_kernel_is_not():

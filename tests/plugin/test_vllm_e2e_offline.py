@@ -28,8 +28,6 @@ from vllm_harness import (
     write_vllm_checkpoint,
 )
 
-pytestmark = pytest.mark.whole_machine
-
 MODELS = ("deepseek_v2", "deepseek_v3", "qwen2_moe")
 STAGES = {"ffn": 3, "attention": 2}
 

@@ -21,8 +21,6 @@ from afd_shared_experts.model import CheckpointError, load_attention_weights, lo
 from plugin_harness import MODEL_TYPES, TOLERANCE, relative_error, write_checkpoint
 from vllm_harness import REPO_ROOT, base_env, vllm_python
 
-pytestmark = pytest.mark.whole_machine
-
 DRIVER = Path(__file__).resolve().parent / "vllm_ffn_experts_driver.py"
 # vLLM's CPU fused-MoE kernel tiles 2 * moe_intermediate_size by 64.
 SHAPE = dict(hidden=32, inter=32, experts=8, top_k=2, layers=2)

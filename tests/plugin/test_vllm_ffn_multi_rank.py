@@ -32,8 +32,6 @@ from vllm_harness import (
     write_vllm_checkpoint,
 )
 
-pytestmark = pytest.mark.whole_machine
-
 START_TIMEOUT = 900
 EXPERTS = 48
 # name: (Attention data parallel, tensor parallel, FFN ranks per pod, FFN expert backend,

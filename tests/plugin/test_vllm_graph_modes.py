@@ -9,8 +9,6 @@ from afd_shared_experts.vllm.compat import EAGER_REASON
 from test_vllm_e2e_offline import afd_run, plain_reference
 from vllm_harness import MAX_TOKENS, afd_block, free_port, install_testbed_plugin, run_driver
 
-pytestmark = pytest.mark.whole_machine
-
 MODELS = ("deepseek_v3", "qwen2_moe")
 EAGER = {"enforce_eager": True, "compilation_mode": "NONE", "cudagraph_mode": "NONE"}
 

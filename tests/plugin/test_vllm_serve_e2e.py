@@ -54,8 +54,6 @@ from vllm_harness import (
     write_vllm_checkpoint,
 )
 
-pytestmark = pytest.mark.whole_machine
-
 START_TIMEOUT = 300
 # Small, so a lost FFN server fails the in-flight request quickly; still ample for the rendezvous
 # (the FFN servers retry every 2 s while the Attention head comes up).

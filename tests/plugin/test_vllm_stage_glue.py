@@ -12,8 +12,6 @@ import pytest
 from vllm_harness import (HERE, REPO_ROOT, afd_block, base_env, free_port, install_testbed_plugin, run_driver,
                           vllm_python, write_vllm_checkpoint)
 
-pytestmark = pytest.mark.whole_machine
-
 STAGED_WORKER = "afd_shared_experts.vllm.worker.AFDCPUWorker"
 
 

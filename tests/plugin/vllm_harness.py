@@ -6,6 +6,7 @@ of ``$AFD_VLLM_PYTHON`` (set by scripts/test.sh from scripts/vllm-env.sh).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -56,9 +57,12 @@ def vllm_console_script() -> str:
 
 
 def install_testbed_plugin() -> None:
-    """The test-only platform-plugin stand-in, into the vLLM venv (idempotent, no network)."""
-    subprocess.run([vllm_python(), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e",
-                    str(TESTBED_PLUGIN)], check=True, cwd=REPO_ROOT)
+    """The test-only platform-plugin stand-in, into the vLLM venv (idempotent, no network); one
+    pip at a time in the venv (both xdist workers call this)."""
+    with open(Path(vllm_python()).parent.parent / "testbed-plugin.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run([vllm_python(), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e",
+                        str(TESTBED_PLUGIN)], check=True, cwd=REPO_ROOT)
 
 
 def base_env(**extra: str) -> dict[str, str]:

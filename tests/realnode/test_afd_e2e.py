@@ -39,8 +39,6 @@ from afd_devcluster.realnode.scenario import (DEPLOYMENT_LABEL, RELEASE_NAMESPAC
                                               write_tiny_checkpoint)
 from afd_devcluster.tools import wait_for
 
-pytestmark = pytest.mark.whole_machine
-
 NAMESPACE = "afd-e2e"
 NAME = "tiny"
 # A second deployment in the same namespace, its name extending the first's: nothing the

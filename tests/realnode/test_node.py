@@ -6,13 +6,9 @@ from __future__ import annotations
 import json
 import uuid
 
-import pytest
-
 from afd_devcluster.realnode import DNS_SERVICE_IP, NODE_NAME, RealNode
 from afd_devcluster.realnode.images import BUSYBOX_IMAGE
 from afd_devcluster.tools import wait_for
-
-pytestmark = pytest.mark.whole_machine
 
 WAIT_SECONDS = 90
 CLIENT_ATTEMPTS = 30  # each at most 10 s (the fetch's bound) + 1 s

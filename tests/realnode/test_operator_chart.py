@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from afd_devcluster.realnode import RealNode
-
-pytestmark = pytest.mark.whole_machine
 
 
 def test_operator_runs_as_a_pod_under_the_charts_service_account(real_node: RealNode,
