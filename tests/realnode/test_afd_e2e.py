@@ -7,7 +7,8 @@
    the API Service's ClusterIP (kube-proxy) equals plain vLLM's (same image, same checkpoint);
    a second AFDDeployment whose name extends the first's serves beside it in the namespace,
    each Service routing only to its own head, and deleting it leaves the first untouched;
-2. a bounded load generator runs against the Service while the AFDDeployment rolls to a new
+2. a bounded load generator (a completion every 5 s, model-list requests 4 times a second
+   between them) runs against the Service while the AFDDeployment rolls to a new
    topology (Attention DP 2 -> 1, FFN 2 ranks in one pod -> 4 over two pods), then to a new image
    tag with the operator pod deleted mid-rollout: no request fails and no connector world ever
    holds pods of two revisions;
@@ -24,6 +25,7 @@ import json
 import subprocess
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -219,22 +221,50 @@ class BackgroundLoop:
         self._thread.join(90)
 
 
+# The load's mix. A completion steps every engine of the instance, and with Attention DP 2 the
+# engines go on stepping (dummy batches through the FFN side) for up to 32 steps after the last
+# request ends, vLLM's DP finish check; their workers spin on vLLM's shared-memory queue for 1 s
+# after each read. Back-to-back completions kept the old revision at 2 cores (measured beside
+# `vllm serve` DP 2 + one FFN pod: 1.98 cores back to back, 1.43 at one completion per 3 s, 0.11
+# at model-list requests alone), so the new revision started on what was left. Model-list
+# requests go through the same Service, kube-proxy rules and API server process without an
+# engine step: a refused connection, a reset or an error status shows within PROBE_PERIOD_S.
+COMPLETION_PERIOD_S = 5.0
+PROBE_PERIOD_S = 0.25
+
+
+def list_models(host: str, port: int) -> None:
+    with urllib.request.urlopen(f"http://{host}:{port}/v1/models", timeout=10) as resp:
+        assert any(m["id"] == NAME for m in json.loads(resp.read())["data"]), "the model is not listed"
+
+
 @dataclass
 class Load(BackgroundLoop):
-    """Sequential completions against the Service (bounded by `limit`); every outcome counted."""
+    """Requests through the Service, every outcome counted (bounded by `limit`): a completion
+    every COMPLETION_PERIOD_S, model-list requests every PROBE_PERIOD_S between them."""
 
     host: str
     port: int
-    limit: int = 3000
+    limit: int = 20000
     ok: int = 0
+    completions: int = 0
     failures: list[str] = field(default_factory=list)
+    _next_completion: float = 0.0
 
     def step(self) -> bool:
+        completion = time.monotonic() >= self._next_completion
         try:
-            complete(self.host, self.port, NAME, max_tokens=4, timeout=60)
+            if completion:
+                self._next_completion = time.monotonic() + COMPLETION_PERIOD_S
+                complete(self.host, self.port, NAME, max_tokens=4, timeout=60)
+                self.completions += 1
+            else:
+                list_models(self.host, self.port)
+                time.sleep(PROBE_PERIOD_S)
             self.ok += 1
         except Exception as exc:
-            self.failures.append(f"{time.strftime('%H:%M:%S')} {type(exc).__name__}: {exc}")
+            kind = "completion" if completion else "model list"
+            self.failures.append(f"{time.strftime('%H:%M:%S')} {kind}: {type(exc).__name__}: {exc}")
             time.sleep(0.5)  # a refused connection fails at once: keep sampling, not spinning
         return self.ok + len(self.failures) < self.limit
 
@@ -333,12 +363,12 @@ def namespace_events(real_node: RealNode) -> str:
 def assert_rolled_cleanly(real_node: RealNode, load: Load, watch: WorldWatch) -> None:
     peak = (meminfo_bytes("MemTotal") - watch.lowest_available) / 2**30
     after = (meminfo_bytes("MemTotal") - mem_available_bytes()) / 2**30
-    print(f"roll: {load.ok} requests served, {len(load.failures)} failed; host memory in use "
-          f"(MemTotal - MemAvailable): {peak:.1f} GiB at the peak, {after:.1f} GiB after the roll")
+    print(f"roll: {load.ok} requests served ({load.completions} completions), {len(load.failures)} failed; host "
+          f"memory in use (MemTotal - MemAvailable): {peak:.1f} GiB at the peak, {after:.1f} GiB after the roll")
     assert peak < MEMORY_LIMIT_GIB, f"the scenario used {peak:.1f} GiB of host memory (limit {MEMORY_LIMIT_GIB})"
     if load.failures:
         print("events of the failed roll:\n" + namespace_events(real_node))
-    assert load.ok > 0 and not load.failures, (load.ok, len(load.failures), load.failures[:3], load.failures[-3:],
+    assert load.completions > 0 and not load.failures, (load.ok, len(load.failures), load.failures[:3], load.failures[-3:],
                                                watch.timeline, watch.failures())
     assert all(len(revisions) == 1 for revisions in watch.worlds.values()) and not watch.cross_wired, \
         (watch.worlds, watch.cross_wired)
@@ -377,7 +407,7 @@ class Outage:
     fault: str
     ok: int
     failures: list[str]
-    recovered_after: float  # seconds from the fault until requests were served again
+    recovered_after: float  # seconds from the fault until completions were served again
 
     def report(self) -> str:
         return (f"{self.fault}: {self.ok} requests served, {len(self.failures)} failed, serving again "
@@ -394,8 +424,8 @@ def survive(real_node: RealNode, fault: str, inject, host: str, port: int) -> Ou
         wait_for(lambda: before.isdisjoint(p["metadata"]["uid"] for p in afd_pods(real_node, NAMESPACE, NAME)),
                  f"{fault}: the instance recreated", READY_TIMEOUT_SECONDS, interval=2)
         wait_serving(real_node, NAMESPACE, NAME, READY_TIMEOUT_SECONDS)
-        served_before = load.ok
-        wait_for(lambda: load.ok > served_before, f"{fault}: requests served again", 120, interval=0.5)
+        served_before = load.completions
+        wait_for(lambda: load.completions > served_before, f"{fault}: completions served again", 120, interval=0.5)
         recovered_after = time.monotonic() - started
         time.sleep(5)
     return Outage(fault, load.ok, list(load.failures), recovered_after)
