@@ -10,8 +10,8 @@ stages, AFD_SERVE_STAGES); a restart of both sides; AFD with Attention data
 parallel 2 (compared with plain vLLM at DP 1: plain vLLM cannot run a MoE model at DP 2 on CPU,
 TESTBED.md). Requests are sent one at a time, so every server runs the same batches.
 
-The DP 2 phases (DP2_PHASES: DeepSeek-V3 and Qwen2-MoE run both placements, with 3 and 2
-micro-batch stages; DeepSeek-V2 one stage) then send the prompts twice, all at once, with a
+The DP 2 phases (DP2_PHASES: DeepSeek-V3 and Qwen2-MoE run 1, 2 and 3 micro-batch stages under
+each placement; DeepSeek-V2 one stage) then send the prompts twice, all at once, with a
 longer one: steps hold several requests on each engine (split into stages), then one (a single
 stage) while the other engine idles (dummy steps). The stage traces of both sides show the
 ping-pong, one FFN expert pass per (step, layer, stage) over both engines' rows, and the FFN
@@ -66,11 +66,12 @@ LONG_TOKENS = 3 * MAX_TOKENS
 # Micro-batch stages of the AFD phase (and its restart) by model: Qwen2-MoE loses its FFN server
 # while steps run in 2 stages (two streams at once); the others run 1 stage.
 AFD_SERVE_STAGES = {"qwen2_moe": 2}
-# The DP 2 phases of each model, (stages, placement). DeepSeek-V3 and Qwen2-MoE each run both
-# placements, one with 3 stages and one with 2 (a phase's steps with fewer requests than its
-# stage count run fewer stages); DeepSeek-V2 runs 1 stage, the operator's default.
-DP2_PHASES = {"deepseek_v2": ((1, "ffn"),), "deepseek_v3": ((3, "ffn"), (2, "attention")),
-              "qwen2_moe": ((3, "attention"), (2, "ffn"))}
+# The DP 2 phases of each model, (stages, placement). DeepSeek-V3 and Qwen2-MoE run every pair of
+# 1, 2 or 3 stages and placement 'attention' or 'ffn' (a phase's steps with fewer requests than
+# its stage count run fewer stages); DeepSeek-V2 runs 1 stage, the operator's default.
+EVERY_STAGES_AND_PLACEMENT = tuple((stages, placement) for stages in (1, 2, 3) for placement in ("attention", "ffn"))
+DP2_PHASES = {"deepseek_v2": ((1, "ffn"),), "deepseek_v3": EVERY_STAGES_AND_PLACEMENT,
+              "qwen2_moe": EVERY_STAGES_AND_PLACEMENT}
 
 
 MODELS = ("deepseek_v2", "deepseek_v3", "qwen2_moe")
