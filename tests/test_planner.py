@@ -174,8 +174,12 @@ def test_examples_plan(examples: list) -> None:
 
 
 @pytest.mark.parametrize("overrides, stages", [
-    ({"platform": "cpu"}, 1),  # opt-in
-    ({}, 1),
+    ({"platform": "cpu"}, 2),  # the default where the stage rule allows it
+    ({}, 1),  # ascend: the stage rule allows 1
+    ({"platform": "cpu", "attention": {"engineArgs": ["--pipeline-parallel-size", "2"]}}, 1),
+    ({"platform": "cpu", "attention": {"engineArgs": ["--enable-dbo"]}}, 1),
+    ({"platform": "cpu", "model": {"name": "m", "path": "/models/m", "maxNumBatchedTokens": 1}}, 1),
+    ({"platform": "cpu", "async": {"stages": 1}}, 1),
     ({"platform": "cpu", "async": {"stages": 3}}, 3),
     ({"platform": "cpu", "async": {"stages": 2}, "attention": {"engineArgs": ["--pipeline-parallel-size", "1"]}}, 2),
 ])

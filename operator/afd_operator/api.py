@@ -161,11 +161,17 @@ class ConnectorSpec(Strict):
     )
 
 
+# Two stages are the ping-pong pipeline of async AFD (MegaScale-Infer, afd-plugin): the FFN computes one half
+# of a step while the Attention side computes the other.
+DEFAULT_STAGES = 2
+
+
 class AsyncSpec(Strict):
     stages: Optional[int] = Field(
         None, ge=1, le=MAX_STAGES,
         description="Micro-batch stages of each Attention step, ping-pong with the FFN side (the FFN computes one "
-        "micro-batch while the Attention side computes the next); more than 1 on platform cpu only. Default 1.")
+        "micro-batch while the Attention side computes the next); more than 1 on platform cpu only. Default: "
+        f"{DEFAULT_STAGES} where allowed (platform cpu, no engine argument that refuses stages), else 1.")
 
 
 class AttentionSpec(Strict):

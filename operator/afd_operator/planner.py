@@ -28,7 +28,7 @@ from kubernetes.utils.quantity import parse_quantity
 from afd_shared_experts.config import AFDConfig, SharedExpertsConfig, stage_limit
 
 from . import naming
-from .api import AFDDeploymentSpec
+from .api import DEFAULT_STAGES, AFDDeploymentSpec
 from .revision import revision_of
 
 Role = Literal["attention", "ffn"]
@@ -204,8 +204,12 @@ def spec_stage_limit(spec: AFDDeploymentSpec) -> tuple[int, str]:
 
 
 def resolve_stages(spec: AFDDeploymentSpec) -> int:
-    """Micro-batch stages per Attention step: spec.async.stages, else 1 (opt-in: see the field)."""
-    return 1 if spec.async_.stages is None else spec.async_.stages
+    """Micro-batch stages per Attention step: spec.async.stages, else DEFAULT_STAGES where the
+    plugin's stage rule and the step's token budget allow it, 1 otherwise."""
+    if spec.async_.stages is not None:
+        return spec.async_.stages
+    limit, _ = spec_stage_limit(spec)
+    return min(DEFAULT_STAGES, limit, spec.model.max_num_batched_tokens)
 
 
 def afd_config(spec: AFDDeploymentSpec, role: Role, host: str, port: int) -> AFDConfig:

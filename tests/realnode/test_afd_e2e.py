@@ -1,10 +1,12 @@
 """An AFDDeployment served for real on the real node (docs/testbed.md, "Real node"). In order:
 
 1. a tiny DeepSeek-V2 checkpoint on a hostPath; `kubectl apply` of an AFDDeployment with
-   Attention DP 2 over two pods and 2 FFN ranks in one pod (shared experts on the FFN side):
+   Attention DP 2 over two pods and 2 FFN ranks in one pod (shared experts on the FFN side, the
+   operator's default of 2 micro-batch stages):
    the operator (a pod, installed by the chart) creates the pods, kubelet runs them in the
    built runtime image, they turn Ready through their own probes, and a completion sent to
-   the API Service's ClusterIP (kube-proxy) equals plain vLLM's (same image, same checkpoint);
+   the API Service's ClusterIP (kube-proxy) equals plain vLLM's (same image, same checkpoint),
+   alone and four at once;
    a second AFDDeployment whose name extends the first's serves beside it in the namespace,
    each Service routing only to its own head, and deleting it leaves the first untouched;
 2. a bounded load generator (a completion every 5 s, model-list requests 4 times a second
@@ -26,6 +28,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -145,12 +148,21 @@ def served(real_node: RealNode, operator_release, plain_vllm: dict, checkpoint: 
     return {"address": address, "pods": afd_pods(real_node, namespace, NAME)}
 
 
+def afd_block_of(pod: dict) -> dict:
+    """The `afd` block the pod's container was started with (its --additional-config)."""
+    (container,) = pod["spec"]["containers"]
+    command = container["command"]
+    return json.loads(command[command.index("--additional-config") + 1])["afd"]
+
+
 def test_pods_run_the_planned_topology(served: dict) -> None:
     roles = sorted(p["metadata"]["labels"]["afd.inference.dev/role"] for p in served["pods"])
     assert roles == ["attention", "attention", "ffn"]
     for pod in served["pods"]:
         (status,) = pod["status"]["containerStatuses"]
         assert status["ready"] and status["restartCount"] == 0, status
+    # The spec leaves async.stages unset: both roles run the default on platform cpu.
+    assert [afd_block_of(pod)["num_stages"] for pod in served["pods"]] == [2, 2, 2]
 
 
 def test_completion_through_the_service_equals_plain_vllm(real_node: RealNode, served: dict,
@@ -160,6 +172,9 @@ def test_completion_through_the_service_equals_plain_vllm(real_node: RealNode, s
     assert svc["type"] == "ClusterIP" and svc["clusterIP"] == host
     # The ClusterIP exists only in kube-proxy's rules: this request goes through them.
     assert complete(host, port, NAME) == plain_vllm
+    # Four at once: steps can hold more than one request, which the default 2 stages split.
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda _: complete(host, port, NAME), range(4))) == [plain_vllm] * 4
 
 
 def heads(real_node: RealNode, name: str) -> set[str]:
