@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Optional, Union
 
 from afd_shared_experts.config import AFDConfigError
@@ -109,7 +110,8 @@ def _check_resources(path: str, resources: Optional[dict[str, Any]]) -> list[Pro
     request above its limit. Refused here, not by the API server while it creates an instance's
     pods one by one (and by the planner, which reads the CPU)."""
     problems = []
-    amounts: dict[str, dict[str, Any]] = {}
+    # kind -> resource -> (the quantity as written, its value)
+    amounts: dict[str, dict[str, tuple[Union[str, int, float], Decimal]]] = {}
     for kind in ("requests", "limits"):
         given = (resources or {}).get(kind)
         if given is None:

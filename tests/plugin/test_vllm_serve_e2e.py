@@ -6,12 +6,12 @@ Phases, each a module fixture that stops every process it started before the nex
 for each of DeepSeek-V2, DeepSeek-V3 and Qwen2-MoE: plain `vllm serve` (the reference
 completions); AFD `vllm serve` (readiness of the FFN servers, the same completions, then SIGTERM
 to an FFN server during streamed requests: one, or for Qwen2-MoE two at once in 2 micro-batch
-stages, AFD_SERVE_STAGES); a restart of both sides; AFD with Attention data
+stages, AFD_SERVE_STAGES); a restart of both sides (RESTART_MODELS); AFD with Attention data
 parallel 2 (compared with plain vLLM at DP 1: plain vLLM cannot run a MoE model at DP 2 on CPU,
 TESTBED.md). Requests are sent one at a time, so every server runs the same batches.
 
 The DP 2 phases (DP2_PHASES: DeepSeek-V3 and Qwen2-MoE run 1, 2 and 3 micro-batch stages under
-each placement; DeepSeek-V2 one stage) then send the prompts twice, all at once, with a
+each placement; DeepSeek-V2 runs DP 2 on the real node) then send the prompts twice, all at once, with a
 longer one: steps hold several requests on each engine (split into stages), then one (a single
 stage) while the other engine idles (dummy steps). The stage traces of both sides show the
 ping-pong, one FFN expert pass per (step, layer, stage) over both engines' rows, and the FFN
@@ -66,23 +66,39 @@ LONG_TOKENS = 3 * MAX_TOKENS
 # Micro-batch stages of the AFD phase (and its restart) by model: Qwen2-MoE loses its FFN server
 # while steps run in 2 stages (two streams at once); the others run 1 stage.
 AFD_SERVE_STAGES = {"qwen2_moe": 2}
-# The DP 2 phases of each model, (stages, placement). DeepSeek-V3 and Qwen2-MoE run every pair of
-# 1, 2 or 3 stages and placement 'attention' or 'ffn' (a phase's steps with fewer requests than
-# its stage count run fewer stages); DeepSeek-V2 runs 1 stage, the operator's default.
+# The DP 2 phases of each model, (stages, placement): every pair of 1, 2 or 3 stages and
+# placement 'attention' or 'ffn' (a phase's steps with fewer requests than its stage count run
+# fewer stages). DeepSeek-V2 at DP 2 runs on the real node (tests/realnode/test_afd_e2e.py:
+# 2 stages, placement 'ffn', requests alone and at once), so it has no phase here.
 EVERY_STAGES_AND_PLACEMENT = tuple((stages, placement) for stages in (1, 2, 3) for placement in ("attention", "ffn"))
-DP2_PHASES = {"deepseek_v2": ((1, "ffn"),), "deepseek_v3": EVERY_STAGES_AND_PLACEMENT,
-              "qwen2_moe": EVERY_STAGES_AND_PLACEMENT}
-
+DP2_PHASES = {"deepseek_v3": EVERY_STAGES_AND_PLACEMENT, "qwen2_moe": EVERY_STAGES_AND_PLACEMENT}
+# The restart of both sides re-runs the rendezvous, which no model changes: the model whose
+# AFD phase runs 2 stages.
+RESTART_MODELS = ("qwen2_moe",)
 
 MODELS = ("deepseek_v2", "deepseek_v3", "qwen2_moe")
 
 
-@pytest.fixture(scope="module", params=MODELS)
-def model(request, tmp_path_factory):
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """The model types a test runs for: those with DP 2 phases for the DP 2 tests, those
+    restarted for the restart test, every one otherwise (one module-scoped checkpoint each)."""
+    if "model_type" not in metafunc.fixturenames:
+        return
+    if "data_parallel_2" in metafunc.fixturenames:
+        types = tuple(DP2_PHASES)
+    elif "restarted" in metafunc.fixturenames:
+        types = RESTART_MODELS
+    else:
+        types = MODELS
+    metafunc.parametrize("model_type", types, scope="module")
+
+
+@pytest.fixture(scope="module")
+def model(model_type, tmp_path_factory):
     """The checkpoint every phase serves (one per model type), in a folder named after the type."""
     install_testbed_plugin()
-    return write_vllm_checkpoint(tmp_path_factory.mktemp(request.param) / request.param, request.param,
-                                 seed=MODELS.index(request.param))
+    return write_vllm_checkpoint(tmp_path_factory.mktemp(model_type) / model_type, model_type,
+                                 seed=MODELS.index(model_type))
 
 
 def completions(port: int) -> list[dict]:

@@ -423,27 +423,34 @@ class Outage:
     ok: int
     failures: list[str]
     recovered_after: float  # seconds from the fault until completions were served again
+    failed_containers: list[str]  # the containers seen ending with a non-zero exit code
 
     def report(self) -> str:
         return (f"{self.fault}: {self.ok} requests served, {len(self.failures)} failed, serving again "
-                f"{self.recovered_after:.0f}s after the fault" + "".join(f"\n  {f}" for f in self.failures[:3]))
+                f"{self.recovered_after:.0f}s after the fault; failed containers: {self.failed_containers}"
+                + "".join(f"\n  {f}" for f in self.failures[:3]))
 
 
 def survive(real_node: RealNode, fault: str, inject, host: str, port: int) -> Outage:
     """Load through the Service while `inject()` breaks the instance; until every pod of it is
     new, the deployment serves again and a request through the Service succeeded."""
     before = {p["metadata"]["uid"] for p in afd_pods(real_node, NAMESPACE, NAME)}
-    with Load(host, port) as load:
+    with WorldWatch(real_node) as watch, Load(host, port) as load:
         started = time.monotonic()
         inject()
-        wait_for(lambda: before.isdisjoint(p["metadata"]["uid"] for p in afd_pods(real_node, NAMESPACE, NAME)),
-                 f"{fault}: the instance recreated", READY_TIMEOUT_SECONDS, interval=2)
-        wait_serving(real_node, NAMESPACE, NAME, READY_TIMEOUT_SECONDS)
-        served_before = load.completions
-        wait_for(lambda: load.completions > served_before, f"{fault}: completions served again", 120, interval=0.5)
+        try:
+            wait_for(lambda: before.isdisjoint(p["metadata"]["uid"] for p in afd_pods(real_node, NAMESPACE, NAME)),
+                     f"{fault}: the instance recreated", READY_TIMEOUT_SECONDS, interval=2)
+            wait_serving(real_node, NAMESPACE, NAME, READY_TIMEOUT_SECONDS)
+            served_before = load.completions
+            wait_for(lambda: load.completions > served_before, f"{fault}: completions served again", 120,
+                     interval=0.5)
+        except AssertionError as err:
+            # The failed pods are replaced: their logs' tails and the events are all that is left.
+            raise AssertionError(f"{err}\n{watch.failures()}\nevents:\n{namespace_events(real_node)}") from None
         recovered_after = time.monotonic() - started
         time.sleep(5)
-    return Outage(fault, load.ok, list(load.failures), recovered_after)
+    return Outage(fault, load.ok, list(load.failures), recovered_after, list(watch.failed_containers))
 
 
 def of_role(real_node: RealNode, role: str) -> list[dict]:
