@@ -11,7 +11,9 @@ DeepSeek-V2 large enough that attention and expert compute are several ms per la
 it reports, from both sides' stage traces within the generate window: the Attention side's busy
 time (wall - waits for replies), the FFN side's (expert passes + replies), the overlap
 efficiency (busy A + busy F) / wall (1 is serial, 2 is both sides busy all the time), the mean
-FFN expert pass, and what a second micro-batch costs each side.
+FFN expert pass, the Attention-only time (outside every step's MoE span: no micro-batch can
+overlap it), the steps run, what a second micro-batch costs each side, and the S=2 speedup a
+perfect pipeline could reach from S=1's measured parts.
 
 Run through the repo's environments (the vLLM venv runs the engines, this script does not
 import vllm):
@@ -58,11 +60,44 @@ def busy_seconds(traces: list[dict], window: list[int]) -> tuple[float, float]:
     return wall - inside("combine_wait", "attention"), inside("expert_pass", "ffn") + inside("reply", "ffn")
 
 
+def attention_only_seconds(traces: list[dict], window: list[int]) -> float:
+    """Seconds of the generate window in which the FFN side can have no work: outside every
+    step's MoE span on the Attention rank (its first dispatch to its last combine). That is
+    the dense layer, the first MoE layer's attention, the final norm, the LM head, sampling and
+    scheduling: the part of each step that micro-batch stages cannot overlap."""
+    start, end = window
+    spans: dict[int, list[int]] = {}
+    for i in traces:
+        if i["role"] == "attention" and i["kind"] in ("dispatch", "combine"):
+            span = spans.setdefault(i["step"], [i["start_ns"], i["end_ns"]])
+            span[0], span[1] = min(span[0], i["start_ns"]), max(span[1], i["end_ns"])
+    inside = sum(max(0, min(stop, end) - max(first, start)) for first, stop in spans.values())
+    return (end - start - inside) / 1e9
+
+
+def attention_steps(traces: list[dict], window: list[int]) -> int:
+    """Forward steps of the Attention rank that dispatched inside the generate window: one per
+    new token when every request runs in every step, more when the scheduler holds some back."""
+    return len({i["step"] for i in traces if i["role"] == "attention" and i["kind"] == "dispatch"
+                and window[0] <= i["start_ns"] < window[1]})
+
+
 def expert_passes(traces: list[dict], window: list[int]) -> tuple[float, float]:
     """(mean ms, mean rows) of the FFN's expert passes that started inside the generate window."""
     passes = [i for i in traces if i["kind"] == "expert_pass" and window[0] <= i["start_ns"] < window[1]]
     return (sum(i["end_ns"] - i["start_ns"] for i in passes) / len(passes) / 1e6,
             sum(i["rows"] for i in passes) / len(passes))
+
+
+def overlap_bound(name: str, wall: float, one: tuple) -> str:
+    """The S=2 speedup a perfect pipeline could reach from S=1's measured parts: the
+    Attention-only part stays serial, and the MoE spans shrink to the longer side's busy time
+    (no cost per extra micro-batch, no fill or drain inside a step)."""
+    (busy_a, busy_f), _, alone, _ = one
+    in_spans = busy_a - alone
+    return (f"{name}: S=1 spends {alone:.2f} s of {wall:.2f} s ({100 * alone / wall:.0f}%) Attention-only; with "
+            f"busy A {in_spans:.2f} s and busy F {busy_f:.2f} s inside the MoE spans, perfect overlap bounds S=2 "
+            f"at {wall / (alone + max(in_spans, busy_f)):.2f}x of S=1")
 
 
 def split_costs(name: str, one: tuple, two: tuple, steps: int) -> str:
@@ -94,7 +129,8 @@ def stages_suite(args, prompts: list[list[int]], root: Path) -> int:
                                   num_key_value_heads=heads, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128,
                                   kv_lora_rank=256)
     request = batch_request(args, model, prompts)
-    plain = run_driver(request, root, "plain", timeout=1800, cpus=ATTENTION_CORE)
+    kv_cache = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
+    plain = run_driver(request, root, "plain", timeout=1800, cpus=ATTENTION_CORE, env=kv_cache)
     rows = [("plain vLLM (core 0)", plain, None)]
     for placement in ("attention", "ffn"):
         for stages in (1, 2, 3):
@@ -105,29 +141,33 @@ def stages_suite(args, prompts: list[list[int]], root: Path) -> int:
                                         cpus=FFN_CORE)
             try:
                 result = run_driver({**request, "additional_config": block, "load_format": "afd"}, root,
-                                    f"afd-{tag}", timeout=1800, trace_dir=traces, cpus=ATTENTION_CORE)
+                                    f"afd-{tag}", timeout=1800, trace_dir=traces, cpus=ATTENTION_CORE,
+                                    env=kv_cache)
             finally:
                 for proc, _ in servers:
                     proc.stop()
             recorded = read_traces(traces)
             window = result["generate_window_ns"]
             rows.append((f"AFD {placement} S={stages}", result, (busy_seconds(recorded, window),
-                                                                  expert_passes(recorded, window))))
+                                                                  expert_passes(recorded, window),
+                                                                  attention_only_seconds(recorded, window),
+                                                                  attention_steps(recorded, window))))
     print(f"{args.prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} new tokens each, DeepSeek-V2 "
           f"hidden {args.hidden}, {args.layers} layers ({args.layers - 1} MoE, 8 experts top-2, 1 shared, expert "
-          f"intermediate {args.moe_inter}), float32, eager; Attention on core 0, 1 FFN rank on core 1, 1 thread each")
+          f"intermediate {args.moe_inter}), float32, eager, KV cache {args.kv_cache_gib} GiB; Attention on core 0, "
+          "1 FFN rank on core 1, 1 thread each")
     print(f"{'configuration':<24}{'tok/s':>8}{'step ms':>9}{'busy A s':>10}{'busy F s':>10}{'overlap':>9}"
-          f"{'F pass ms':>11}{'rows/pass':>11}{'ids = plain':>13}")
+          f"{'F pass ms':>11}{'rows/pass':>11}{'A only s':>10}{'steps':>7}{'ids = plain':>13}")
     tokens = args.prompts * args.max_tokens
     for name, result, measured in rows:
         seconds = result["generate_seconds"]
         line = f"{name:<24}{tokens / seconds:>8.1f}{1000 * seconds / args.max_tokens:>9.1f}"
         if measured is None:
-            line += f"{'':>51}"
+            line += f"{'':>68}"
         else:
-            (busy_a, busy_f), (pass_ms, pass_rows) = measured
+            (busy_a, busy_f), (pass_ms, pass_rows), alone, steps = measured
             line += (f"{busy_a:>10.2f}{busy_f:>10.2f}{(busy_a + busy_f) / seconds:>9.2f}{pass_ms:>11.2f}"
-                     f"{pass_rows:>11.1f}")
+                     f"{pass_rows:>11.1f}{alone:>10.2f}{steps:>7}")
         same = "" if measured is None else ("yes" if result["token_ids"] == plain["token_ids"] else "NO")
         print(line + f"{same:>13}")
     by_name = {name: result["generate_seconds"] for name, result, _ in rows}
@@ -140,6 +180,8 @@ def stages_suite(args, prompts: list[list[int]], root: Path) -> int:
     for placement in ("attention", "ffn"):
         print(split_costs(placement, measured[f"AFD {placement} S=1"], measured[f"AFD {placement} S=2"],
                           args.max_tokens))
+    for placement in ("attention", "ffn"):
+        print(overlap_bound(placement, by_name[f"AFD {placement} S=1"], measured[f"AFD {placement} S=1"]))
     for name, result, m in rows:
         if m is not None and name.endswith("S=1") and sum(m[0]) < 0.5 * result["generate_seconds"]:
             print(f"{name}: overhead dominates (compute {100 * sum(m[0]) / result['generate_seconds']:.0f}% "
@@ -158,6 +200,9 @@ def main() -> int:
     p.add_argument("--moe-inter", type=int, default=None,
                    help="--suite stages: intermediate size of each expert (default: --hidden); sets the FFN "
                         "side's share of the step")
+    p.add_argument("--kv-cache-gib", type=int, default=1,
+                   help="--suite stages: vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE), large enough that every "
+                        "request runs in every step")
     args = p.parse_args()
     if args.hidden % 128:
         p.error(f"--hidden: must be a multiple of 128 (got {args.hidden})")
@@ -167,6 +212,8 @@ def main() -> int:
         args.moe_inter = args.hidden
     if args.moe_inter < 1:
         p.error(f"--moe-inter: must be positive (got {args.moe_inter})")
+    if args.kv_cache_gib < 1:
+        p.error(f"--kv-cache-gib: must be at least 1 (got {args.kv_cache_gib})")
     rng = random.Random(0)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     install_testbed_plugin()

@@ -6,14 +6,17 @@ REQUEST: {"model", "prompts" (token ids), "max_tokens", "additional_config" (opt
           "enforce_eager" (optional, default true; false: vLLM's default compilation settings),
           "config_only" (optional: build the engine config only, no engine, no generation),
           "worker_cls" (optional: vLLM's --worker-cls),
-          "max_num_seqs", "max_num_batched_tokens" (optional, default 8 and 512: the scheduler's limits per step)}
+          "max_num_seqs", "max_num_batched_tokens" (optional, default 8 and 512: the scheduler's limits per step),
+          "logprobs" (optional k: also return the top-k logprobs of every generated position)}
 RESULT: {"graph_mode": {"enforce_eager", "compilation_mode", "cudagraph_mode"} of the engine config,
          "worker_cls": the engine config's worker class,
          "token_ids": [[...] per prompt], "generate_seconds", "generate_window_ns" ([start, end] on the host's
          monotonic clock, as stage traces record), "parameter_bytes": [per worker],
          "experts_classes": [per worker: class names of the MoE layers' experts],
          "fused_moe_registered": [per worker: the out-of-tree FusedMoE class in force after the build],
-         "remote_tensors_read": [per worker: remote-expert tensors read from disk, AFD runs only]}
+         "remote_tensors_read": [per worker: remote-expert tensors read from disk, AFD runs only],
+         "logprobs" (when asked): [per prompt: [per position: {token id (str): logprob}, the chosen token
+         and the top k]]}
 """
 
 import json
@@ -64,7 +67,8 @@ def main() -> None:
             json.dump(result, handle)
         return
     llm = LLM(**engine_args)
-    params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True,
+                            logprobs=request.get("logprobs"))
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     started, window_start = time.perf_counter(), time.monotonic_ns()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -76,6 +80,9 @@ def main() -> None:
               "parameter_bytes": llm.apply_model(model_parameter_bytes),
               "experts_classes": llm.apply_model(experts_classes),
               "fused_moe_registered": llm.apply_model(fused_moe_registered)}
+    if request.get("logprobs"):
+        result["logprobs"] = [[{str(token): entry.logprob for token, entry in position.items()}
+                               for position in o.outputs[0].logprobs] for o in outputs]
     if "additional_config" in kwargs:
         result["remote_tensors_read"] = llm.apply_model(model_remote_tensors_read)
     with open(sys.argv[2], "w") as handle:

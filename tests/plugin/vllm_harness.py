@@ -285,16 +285,16 @@ def wait_until(predicate, timeout: float, what: str, procs: list[Proc] = ()) -> 
 
 
 def run_driver(request: dict, logdir: Path, name: str, timeout: float = 400, trace_dir: Path | None = None,
-               cpus: set[int] | None = None) -> dict:
-    """Run vllm_driver.py (offline vllm.LLM) under the vLLM venv, on `cpus` (default any);
-    returns its JSON result."""
+               cpus: set[int] | None = None, env: dict[str, str] | None = None) -> dict:
+    """Run vllm_driver.py (offline vllm.LLM) under the vLLM venv, on `cpus` (default any), with
+    `env` over the base environment; returns its JSON result."""
     req_path, out_path = logdir / f"{name}.request.json", logdir / f"{name}.result.json"
     req_path.write_text(json.dumps(request))
     log = logdir / f"{name}.log"
     with open(log, "wb") as handle:
         proc = subprocess.run([vllm_python(), str(DRIVER), str(req_path), str(out_path)], stdout=handle,
-                              stderr=subprocess.STDOUT, env=base_env(**trace_env(trace_dir)), cwd=REPO_ROOT,
-                              timeout=timeout, preexec_fn=pinned_to(cpus))
+                              stderr=subprocess.STDOUT, env=base_env(**trace_env(trace_dir), **(env or {})),
+                              cwd=REPO_ROOT, timeout=timeout, preexec_fn=pinned_to(cpus))
     if proc.returncode != 0:
         raise AssertionError(f"driver {name} failed ({proc.returncode}):\n{log.read_text(errors='replace')[-6000:]}")
     return json.loads(out_path.read_text())
