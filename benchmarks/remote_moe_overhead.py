@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from afd_shared_experts.connector import DispatchTicket
+from afd_shared_experts.wire import DispatchTicket
 
 V3_SHAPE = {"hidden_size": 7168, "moe_intermediate_size": 2048, "shared_intermediate_size": 2048,
             "num_routed_experts": 256, "top_k": 8, "num_groups": 8, "topk_groups": 4,

@@ -12,7 +12,8 @@ from typing import Callable
 import torch
 
 from .compute import combine, route, shared_expert_output
-from .connector import AFDConnector, DispatchTicket, FFNPayload
+from .connector import AFDConnector
+from .wire import DispatchTicket, FFNPayload
 from .metrics import RuntimeMetrics
 from .model import GateWeights, MoESpec, SharedExpertWeights
 from .partition import affinity_assignment, contiguous_ranges

@@ -60,7 +60,7 @@ DATA_PLANES = ("auto", "direct", "staged")
 SHARED_KEYS = ("placement", "partition")
 
 
-# The most micro-batch stages an Attention step runs (the FFN side bounds the header's count higher).
+# The most micro-batch stages an Attention step runs; the wire format and the FFN side apply the same bound.
 MAX_STAGES = 8
 
 

@@ -1,27 +1,7 @@
-"""Transport-only AFD connector: the abstract contract and a torch.distributed p2p one.
+"""The AFD connector: the transport contract between Attention and FFN ranks (no model
+knowledge) and its torch.distributed point-to-point implementation, ``P2PConnector``.
 
-Wire protocol (per Attention rank a -> FFN rank f, one AFD world: Attention ranks 0..A-1,
-FFN ranks A..A+F-1):
-- work: an int64 header (``encode_work_header``: layer, sequence number, stage, the sender's
-  step and its number of stages in that step, row counts), then, when it announces rows, one
-  payload [routed + extra shared rows, H] in the model dtype;
-- reply (f -> a): an int64 header (``ReplyHeader``), then, when rows > 0, one payload
-  [routed rows + shared rows, H].
-Every dispatch reaches every FFN rank (a header-only one when it has no rows) and every FFN
-rank answers every dispatch, so no side waits for a message that never comes. The step and
-stage count let an FFN rank gather one (step, layer, stage) from every Attention rank into
-one expert pass (``ffn_batching.py``).
-
-Where it runs (docs/plugin-runtime.md, "Connector"):
-- Control plane: headers go over gloo (CPU tensors) on two process groups, one per direction
-  (work: Attention -> FFN, reply: FFN -> Attention). An idle FFN rank waits there, on the
-  host, never on a device receive.
-- Data plane: ``direct`` puts payloads on two more process groups of the device's backend
-  (nccl/hccl; gloo on CPU), again one per direction; ``staged`` puts them on two gloo groups
-  with explicit device <-> host copies (CPU, or several ranks on one device). A payload
-  receive is posted only after its header announced rows.
-On every process group one side of each pair only sends and the other only receives, in the
-same order, so execution in post order per pair (HCCL/NCCL, tags ignored) cannot deadlock.
+The messages are ``wire.py``'s, the links, handles and liveness ``transport.py``'s.
 
 Ordering and lifetime rules:
 1. Payloads are read by the send in stream order (nccl/hccl order a send after the caller's
@@ -36,289 +16,28 @@ Ordering and lifetime rules:
 from __future__ import annotations
 
 import json
-import queue
-import socket
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from .config import DATA_PLANES, DEFAULT_RENDEZVOUS_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS, AFDConfig
-from .device import (device_identity, host_buffer, new_process_group, orders_on_stream, resolve_device, to_device,
-                     to_host)
+from .device import device_identity, host_buffer, new_process_group, orders_on_stream, resolve_device, to_device, to_host
 from .errors import AFDError, ConnectorClosedError, PairingError, PayloadError, PeerLostError
 from .metrics import RuntimeMetrics
+from .transport import (PROCESS_GROUP_TIMEOUT, WAIT_SLICE_SECONDS, WATCHER_JOIN_SECONDS, Heartbeat, InFlight, Link,
+                        ProcessGroupTransport, Tracked, Transport, choose_data_plane, wait_for_listener)
+from .wire import (BYTE_KINDS, KIND_REPLY, KIND_SHUTDOWN, KIND_WORK, MAGIC, REPLY_HEADER_LEN, TAG_HEADER, TAG_PAYLOAD,
+                   DispatchTicket, FFNPayload, WorkItem, check_stage, decode_work_header, encode_work_header,
+                   work_header_len)
 
-MAGIC = 0xAFD5
-KIND_WORK, KIND_SHUTDOWN, KIND_REPLY = 1, 2, 3
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Only gloo reads tags; pairing never depends on them (HCCL/NCCL ignore them).
-TAG_HEADER, TAG_PAYLOAD = 1, 2
-MAX_STAGES = 64  # bounds the header's stage count (micro-batches of one step)
-BYTE_KINDS = ("routed_rows", "shared_rows", "headers", "replies")
-REPLY_HEADER_LEN = 8
-WAIT_SLICE_SECONDS = 0.05
-WATCHER_JOIN_SECONDS = 2.0
-PROCESS_GROUP_TIMEOUT = timedelta(days=1)
-# How often a rank polls for rank 0's store to listen before joining it (see wait_for_listener).
-LISTENER_POLL_SECONDS = 0.2
 CPU = torch.device("cpu")
-
-# --------------------------------------------------------------------------- messages
-
-
-@dataclass(frozen=True)
-class FFNPayload:
-    """Rows for one FFN rank: grouped by local expert, within each group the rows whose
-    shared work this rank does come first (``shared_prefix``), then ``shared_extra`` rows
-    sent only for shared work (contiguous partition)."""
-
-    rows: torch.Tensor
-    routed_counts: tuple[int, ...]
-    shared_prefix: tuple[int, ...]
-    shared_extra: int
-
-    @property
-    def routed_rows(self) -> int:
-        return sum(self.routed_counts)
-
-    @property
-    def shared_rows(self) -> int:
-        return sum(self.shared_prefix) + self.shared_extra
-
-
-@dataclass(frozen=True)
-class WorkItem:
-    source: int  # Attention rank
-    layer: int
-    seq: int
-    stage: int
-    payload: FFNPayload
-    step: int = 0  # the sender's forward counter
-    stages: int = 1  # how many stages the sender runs in this step (stage < stages)
-
-
-@dataclass(frozen=True)
-class DispatchTicket:
-    layer: int
-    seq: int
-    stage: int
-    step: int = 0
-
-
-def encode_work_header(kind: int, layer: int, seq: int, stage: int, source: int, dtype: torch.dtype,
-                       hidden: int, payload: FFNPayload | None, local_experts: int, *, step: int = 0,
-                       stages: int = 1) -> torch.Tensor:
-    """[MAGIC, kind, layer, seq, stage, source, dtype, hidden, local_experts, shared_extra, step,
-    stages, routed_counts[E], shared_prefix[E]]."""
-    routed = payload.routed_counts if payload else (0,) * local_experts
-    prefix = payload.shared_prefix if payload else (0,) * local_experts
-    extra = payload.shared_extra if payload else 0
-    return torch.tensor([MAGIC, kind, layer, seq, stage, source, DTYPE_CODES[dtype], hidden, local_experts, extra,
-                         step, stages, *routed, *prefix], dtype=torch.int64)
-
-
-def work_header_len(local_experts: int) -> int:
-    return 12 + 2 * local_experts
-
-
-def check_stage(stage: int, stages: int, *, what: str) -> None:
-    """The stage rule both ends apply: 1 <= stages <= MAX_STAGES and 0 <= stage < stages."""
-    if not 1 <= stages <= MAX_STAGES:
-        raise PayloadError(f"{what}: field stages must be in [1, {MAX_STAGES}] (got {stages})")
-    if not 0 <= stage < stages:
-        raise PayloadError(f"{what}: field stage must be in [0, stages) = [0, {stages}) (got {stage})")
-
-
-@dataclass(frozen=True)
-class WorkHeader:
-    kind: int
-    layer: int
-    seq: int
-    stage: int
-    step: int
-    stages: int
-    routed_counts: tuple[int, ...]
-    shared_prefix: tuple[int, ...]
-    shared_extra: int
-
-
-def decode_work_header(header: torch.Tensor, *, source: int, dtype: torch.dtype, hidden: int,
-                       local_experts: int) -> WorkHeader:
-    values = header.tolist()
-    expected = {"magic": MAGIC, "source": source, "dtype": DTYPE_CODES[dtype], "hidden": hidden,
-                "local_experts": local_experts}
-    got = {"magic": values[0], "source": values[5], "dtype": values[6], "hidden": values[7],
-           "local_experts": values[8]}
-    for name, want in expected.items():
-        if got[name] != want:
-            raise PayloadError(f"work header from Attention rank {source}: field {name} must be {want} (got {got[name]})")
-    kind = values[1]
-    if kind not in (KIND_WORK, KIND_SHUTDOWN):
-        raise PayloadError(f"work header from Attention rank {source}: field kind must be work or shutdown (got {kind})")
-    routed = tuple(values[12:12 + local_experts])
-    prefix = tuple(values[12 + local_experts:])
-    extra, step, stages = values[9], values[10], values[11]
-    if any(c < 0 for c in routed) or extra < 0 or any(not 0 <= p <= c for p, c in zip(prefix, routed)):
-        raise PayloadError(f"work header from Attention rank {source}: row counts must satisfy "
-                           f"0 <= shared_prefix <= routed_counts and shared_extra >= 0 (got {values[12:]}, "
-                           f"shared_extra {extra})")
-    if kind == KIND_WORK:
-        if step < 0:
-            raise PayloadError(f"work header from Attention rank {source}: field step must be >= 0 (got {step})")
-        check_stage(values[4], stages, what=f"work header from Attention rank {source}")
-    return WorkHeader(kind=kind, layer=values[2], seq=values[3], stage=values[4], step=step, stages=stages,
-                      routed_counts=routed, shared_prefix=prefix, shared_extra=extra)
-
-
-# --------------------------------------------------------------------------- transport
-
-
-class Handle(Protocol):
-    def is_completed(self) -> bool: ...
-
-    def wait(self) -> object: ...
-
-
-class Transport(Protocol):
-    """Non-blocking point-to-point primitive the connector is written against (one per
-    process group: ``transport_wrapper`` sees each of them)."""
-
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Handle: ...
-
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Handle: ...
-
-
-class ProcessGroupTransport:
-    def __init__(self, process_group):
-        self.process_group = process_group
-
-    def isend(self, tensor, dst, tag):
-        return self.process_group.send([tensor], dst, tag)
-
-    def irecv(self, tensor, src, tag):
-        return self.process_group.recv([tensor], src, tag)
-
-
-class _Tracked:
-    """A transport handle whose completion is observed by a watcher thread.
-
-    gloo's send/recv works only report completion from a blocking ``wait()``, which close()
-    could not interrupt; the watcher blocks instead and the connector waits on an Event.
-    """
-
-    __slots__ = ("handle", "peer", "done", "error", "wakeup")
-
-    def __init__(self, handle, peer: int, wakeup: threading.Event):
-        self.handle, self.peer, self.wakeup = handle, peer, wakeup
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-    def is_completed(self) -> bool:
-        return self.done.is_set()
-
-    def ready(self, timeout: float) -> bool:
-        return self.done.wait(timeout)
-
-    def result(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-
-class _StreamOrdered:
-    """A nccl/hccl work: ``result()`` makes the caller's current stream wait for it (no host
-    wait); ``is_completed()`` polls its device event, for releasing sent buffers."""
-
-    __slots__ = ("handle", "peer")
-
-    def __init__(self, handle, peer: int):
-        self.handle, self.peer = handle, peer
-
-    def is_completed(self) -> bool:
-        return self.handle.is_completed()
-
-    def ready(self, timeout: float) -> bool:
-        return True
-
-    def result(self) -> None:
-        self.handle.wait()
-
-
-class _Watcher:
-    """Waits on one peer's handles of one link in post order (the order they complete)."""
-
-    def __init__(self, name: str):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def track(self, handle, peer: int, wakeup: threading.Event) -> _Tracked:
-        tracked = _Tracked(handle, peer, wakeup)
-        self._queue.put(tracked)
-        return tracked
-
-    def _run(self) -> None:
-        while True:
-            tracked = self._queue.get()
-            if tracked is None:
-                return
-            try:
-                tracked.handle.wait()
-            except BaseException as exc:  # handed to the connector thread that waits on it
-                tracked.error = exc
-            tracked.done.set()
-            tracked.wakeup.set()
-
-    def stop(self, deadline: float) -> None:
-        """Let queued handles finish, bounded by ``deadline``; a watcher still blocked on a
-        receive that will never complete is left behind as a daemon thread."""
-        self._queue.put(None)
-        self._thread.join(max(0.0, deadline - time.monotonic()))
-
-
-class _Link:
-    """One direction of one plane, on a process group of its own. On a link one side of each
-    pair only sends and the other only receives, in the same order: in-order execution per
-    pair cannot deadlock it, and a receive waiting on it never holds up the other direction."""
-
-    def __init__(self, name: str, transport: Transport, *, on_stream: bool, rank: int, wakeup: threading.Event):
-        self.name, self.transport, self.on_stream = name, transport, on_stream
-        self._rank, self._wakeup = rank, wakeup
-        self._watchers: dict[int, _Watcher] = {}
-
-    def track(self, handle, peer: int) -> _Tracked | _StreamOrdered:
-        if self.on_stream:
-            return _StreamOrdered(handle, peer)
-        watcher = self._watchers.get(peer)
-        if watcher is None:
-            watcher = self._watchers[peer] = _Watcher(f"afd-{self._rank}-{self.name}-{peer}")
-        return watcher.track(handle, peer, self._wakeup)
-
-    def stop(self, deadline: float) -> None:
-        for watcher in self._watchers.values():
-            watcher.stop(deadline)
-        self._watchers = {}
-
-
-@dataclass
-class _InFlight:
-    """Handles with the tensors they use: the references keep buffers alive until done."""
-
-    handles: list = field(default_factory=list)
-    tensors: list = field(default_factory=list)
-
-    def add(self, handle, tensor):
-        self.handles.append(handle)
-        self.tensors.append(tensor)
-
-    def done(self) -> bool:
-        return all(h.is_completed() for h in self.handles)
 
 
 @dataclass
@@ -328,41 +47,9 @@ class _ExpectedReply:
     ticket: DispatchTicket
     routed_rows: int
     shared_rows: int
-    handle: _Tracked
+    handle: Tracked
     header: torch.Tensor
 
-
-def wait_for_listener(host: str, port: int, deadline: float, cancelled: threading.Event) -> None:
-    """Return once host:port accepts a TCP connection. A TCPStore client that finds nobody
-    listening sleeps a random delay of about its own timeout before it tries again, so rank 0 could
-    give up waiting for it although it started in time; probing with a plain socket first lets
-    every rank join within a poll of rank 0 coming up. Probes do not count as joined ranks."""
-    while True:
-        remaining = deadline - time.monotonic()
-        try:
-            socket.create_connection((host, port), timeout=max(0.1, min(remaining, 1.0))).close()
-            return
-        except OSError as exc:
-            if remaining <= LISTENER_POLL_SECONDS:
-                raise TimeoutError(f"nothing listening at {host}:{port}: {exc}") from exc
-            if cancelled.wait(LISTENER_POLL_SECONDS):
-                raise ConnectorClosedError(f"closed while waiting for {host}:{port}") from exc
-
-
-def choose_data_plane(requests: list[tuple[str, str]]) -> str:
-    """The data plane of a world from every rank's (requested plane, device identity): one
-    request for all; ``auto`` is ``direct`` when every rank owns an accelerator of its own,
-    else ``staged`` (CPU ranks; NCCL refuses two ranks of one communicator on one GPU)."""
-    requested = sorted({plane for plane, _ in requests})
-    if len(requested) != 1:
-        raise ValueError(f"data_plane: every rank of the AFD world must request the same data plane "
-                         f"(got {', '.join(requested)})")
-    if requested[0] != "auto":
-        return requested[0]
-    identities = [identity for _, identity in requests]
-    if "cpu" in identities or len(set(identities)) < len(identities):
-        return "staged"
-    return "direct"
 
 
 # --------------------------------------------------------------------------- contract
@@ -455,18 +142,18 @@ class P2PConnector(AFDConnector):
         self._transport_wrapper = transport_wrapper
         self.sent_bytes = dict.fromkeys(BYTE_KINDS, 0)
         self._store = None
-        self._links: dict[str, _Link] = {}
+        self._links: dict[str, Link] = {}
         self._closed = threading.Event()
         self._initialized = False
         self._failed = False
-        self._heartbeat: _Heartbeat | None = None
+        self._heartbeat: Heartbeat | None = None
         self._seq = 0
         self._counted_steps, self._last_layer = 0, None  # forwards counted when callers name no step
         self._pending: dict[int, deque[DispatchTicket]] = {}
         self._expected: dict[int, deque[_ExpectedReply]] = {}
         self._arrived: dict[int, dict[int, tuple[torch.Tensor, object]]] = {}
-        self._sends_in_flight: deque[_InFlight] = deque()
-        self._header_recvs: dict[int, tuple[_Tracked, torch.Tensor]] = {}
+        self._sends_in_flight: deque[InFlight] = deque()
+        self._header_recvs: dict[int, tuple[Tracked, torch.Tensor]] = {}
         self._active_sources: list[int] = []
         self._next_source = 0
         self._wakeup = threading.Event()
@@ -523,10 +210,10 @@ class P2PConnector(AFDConnector):
                 f"{self.world_size} failed within {self.rendezvous_timeout_seconds}s: {exc}"
             ) from exc
         wrap = self._transport_wrapper or (lambda transport: transport)
-        self._links = {name: _Link(name, wrap(transport), on_stream=orders_on_stream(groups[name]), rank=self.rank,
+        self._links = {name: Link(name, wrap(transport), on_stream=orders_on_stream(groups[name]), rank=self.rank,
                                    wakeup=self._wakeup)
                        for name, transport in transports.items()}
-        self._heartbeat = _Heartbeat(self.host, self.port, self.rank, self.timeout_seconds)
+        self._heartbeat = Heartbeat(self.host, self.port, self.rank, self.timeout_seconds)
         if self.role == "ffn":
             self._active_sources = list(range(self.num_attention_ranks))
             for source in self._active_sources:
@@ -593,7 +280,7 @@ class P2PConnector(AFDConnector):
     def _irecv(self, link: str, tensor: torch.Tensor, src: int, tag: int):
         return self._post(self._links[link], "irecv", tensor, src, tag)
 
-    def _post(self, link: _Link, operation: str, tensor: torch.Tensor, peer: int, tag: int):
+    def _post(self, link: Link, operation: str, tensor: torch.Tensor, peer: int, tag: int):
         try:
             handle = getattr(link.transport, operation)(tensor, peer, tag)
         except Exception as exc:  # e.g. the pair was closed by a dead peer
@@ -683,7 +370,7 @@ class P2PConnector(AFDConnector):
         ticket = DispatchTicket(layer=layer, seq=self._seq, stage=stage,
                                 step=self._counted_step(layer, stage) if step is None else step)
         self._seq += 1
-        sends = _InFlight()
+        sends = InFlight()
         for f, (payload, rows) in enumerate(zip(payloads, self._outgoing([p.rows for p in payloads]))):
             dst = self.num_attention_ranks + f
             header = encode_work_header(KIND_WORK, layer, ticket.seq, stage, self.rank, self.dtype, self.hidden_size,
@@ -815,7 +502,7 @@ class P2PConnector(AFDConnector):
                                f"{self.hidden_size})")
         header = torch.tensor([MAGIC, KIND_REPLY, item.layer, item.seq, item.stage, self.rank, routed_rows,
                                shared_rows], dtype=torch.int64)
-        flight = _InFlight()
+        flight = InFlight()
         flight.add(self._isend("reply-control", header, item.source, TAG_HEADER), header)
         self._count("headers", header)
         if rows.shape[0]:
@@ -824,59 +511,3 @@ class P2PConnector(AFDConnector):
             self._count("replies", rows)
         self._sends_in_flight.append(flight)
         self._reap_sends()
-
-
-class _Heartbeat:
-    """Liveness over the rendezvous store: each rank bumps a counter; a peer whose counter
-    stops moving for ``timeout`` seconds is reported lost (gloo alone cannot tell a dead
-    peer from a slow one on a pending receive)."""
-
-    def __init__(self, host: str, port: int, rank: int, timeout: float):
-        self.timeout = timeout
-        self.interval = min(1.0, timeout / 5)
-        self._lock = threading.Lock()
-        self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
-        self._key = f"afd/heartbeat/{rank}"
-        self._seen: dict[int, tuple[int, float]] = {}
-        self._last_check = 0.0
-        self._stop = threading.Event()
-        self.store_lost = False
-        self._beat()
-        self._thread = threading.Thread(target=self._run, name=f"afd-heartbeat-{rank}", daemon=True)
-        self._thread.start()
-
-    def _beat(self) -> None:
-        with self._lock:
-            self._store.add(self._key, 1)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self._beat()
-            except Exception:
-                return  # store gone: peers notice through their own checks
-
-    def check(self, peers: list[int], describe: Callable[[int], str]) -> None:
-        now = time.monotonic()
-        if self.store_lost or now - self._last_check < self.interval:
-            return
-        self._last_check = now
-        for peer in peers:
-            try:
-                with self._lock:
-                    value = self._store.add(f"afd/heartbeat/{peer}", 0)
-            except Exception:
-                # The store lives in Attention rank 0, which may finish before its peers. A peer
-                # that dies still fails its pending receives (connection closed by peer); a
-                # reply that never comes still hits the reply deadline.
-                self.store_lost = True
-                return
-            previous = self._seen.get(peer)
-            if previous is None or previous[0] != value:
-                self._seen[peer] = (value, now)
-            elif now - previous[1] > self.timeout:
-                raise PeerLostError(f"{describe(peer)} lost: no heartbeat for more than {self.timeout}s")
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self.interval + 5)

@@ -39,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
-from .connector import WorkItem
+from .wire import WorkItem
 from .errors import PairingError
 
 GroupKey = tuple[int, int, int]  # (step, layer, stage)

@@ -11,7 +11,8 @@ from typing import Protocol
 import torch
 
 from .compute import shared_expert_output, swiglu
-from .connector import AFDConnector, WorkItem
+from .connector import AFDConnector
+from .wire import WorkItem
 from .errors import AFDError, ConnectorClosedError, PayloadError
 from .ffn_batching import StageBatcher
 from .metrics import RuntimeMetrics

@@ -36,7 +36,8 @@ from safetensors.torch import save_file
 from . import attention
 from .attention import AttentionMoELayer, RemoteMoE
 from .config import DATA_PLANES, AFDConfigError, AFDConfig
-from .connector import BYTE_KINDS, P2PConnector
+from .connector import P2PConnector
+from .wire import BYTE_KINDS
 from .device import resolve_device, sync_debug_mode
 from .errors import DeviceUnavailableError
 from .ffn_runtime import FFNRuntime, torch_experts

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from afd_devcluster import free_port
 from afd_shared_experts.compute import route
-from afd_shared_experts.connector import ProcessGroupTransport, choose_data_plane
+from afd_shared_experts.transport import ProcessGroupTransport, choose_data_plane
 from afd_shared_experts.errors import DeviceUnavailableError
 from afd_shared_experts.model import load_spec
 from afd_shared_experts.selfcheck import token_range

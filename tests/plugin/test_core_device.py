@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import afd_shared_experts.attention as attention
 from afd_shared_experts.attention import AttentionMoELayer, RemoteMoE
-from afd_shared_experts.connector import DispatchTicket, FFNPayload, WorkItem
+from afd_shared_experts.wire import DispatchTicket, FFNPayload, WorkItem
 from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
 from afd_shared_experts.model import GATE_SIGMOID_GROUPED, MoESpec, load_attention_weights, load_ffn_weights, load_spec
 from afd_shared_experts.tp import shard_tokens

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from afd_shared_experts.connector import FFNPayload, WorkItem
+from afd_shared_experts.wire import FFNPayload, WorkItem
 from afd_shared_experts.errors import PairingError
 from afd_shared_experts.ffn_batching import StageBatcher, group_key
 from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
