@@ -1,42 +1,55 @@
 """Accelerator check of the plugin core (run by scripts/device-check.sh; torch only, no vLLM).
 
-1. Self-check: the plugin's selfcheck (afd_shared_experts.selfcheck) with every rank on the
-   device: A Attention and F FFN rank processes on one GPU, the real P2PConnector between
-   them, whose data plane must resolve to ``staged`` there (payloads and replies over gloo
-   with explicit device<->host copies; NCCL refuses two ranks on one GPU). Every MoE layer of
-   a small DeepSeek-V3-shaped checkpoint, both placements and partitions,
-   float32/bfloat16/float16 (all nine runs in one launch of the rank processes), compared
-   with a dense torch reference computed on the CPU. On CUDA each Attention rank runs its
-   forward under ``torch.cuda.set_sync_debug_mode("error")``; only ``host_row_counts`` (the
-   one named sync) and the connector's calls (its staged copies) may sync, and
-   ``host_row_counts`` must run exactly once per layer per step.
-2. Timings: RemoteMoE dispatch + combine per layer step for DeepSeek-V3 shapes, F = 16,
-   T = 1..4096, with the no-op connector of benchmarks/remote_moe_overhead.py.
+1. Self-check: the plugin's selfcheck (afd_shared_experts.selfcheck) with two rank processes
+   on the device, one Attention and one FFN rank, the real P2PConnector between them, whose
+   data plane must resolve to ``staged`` there (NCCL refuses two ranks on one GPU). Every MoE
+   layer of a small DeepSeek-V3-shaped checkpoint, both placements and partitions,
+   float32/bfloat16/float16 (nine runs in one launch of the rank processes), compared with a
+   dense torch reference computed on the CPU. On CUDA the Attention rank runs its forward
+   under ``torch.cuda.set_sync_debug_mode("error")``; only the connector's staged copies may
+   sync.
+2. Graph capture: one RemoteMoE layer at DeepSeek-V3 shapes (hidden 7168, 256 routed experts,
+   top-8 of 8 groups keeping 4, bf16, F = 16), called through the custom ops ``afd::dispatch``
+   and ``afd::combine``, against a device-side loopback FFN (each reply is a device copy of
+   its work frame's rows, as many bytes as a direct-plane send of the whole frame moves; no
+   transport, no host work), captured in a CUDA graph under sync-debug mode "error" and
+   replayed on new inputs; the replay must equal the eager layer bit for bit. Frames are sized
+   for the largest token count of step 3.
+3. Timings: that layer's dispatch + combine per step for 1, 64 and 512 tokens, eager and
+   replayed from its graph.
 
 Exit 0 when every comparison holds, 1 with a message otherwise (also when no CUDA device is
-present), 2 on bad arguments. ``--device cpu`` runs the same check on the CPU (no
-sync-debug mode there), which is how the check itself is tested.
+present), 2 on bad arguments. ``--device cpu`` runs steps 1 and 3 (eager only) on the CPU,
+which is how the check itself is tested.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-import afd_shared_experts.attention as attention
+from afd_shared_experts import ops
+from afd_shared_experts.attention import RemoteMoE
 from afd_shared_experts.compute import combine, route, swiglu
-from afd_shared_experts.model import DTYPES, load_attention_weights, load_ffn_weights, load_spec
+from afd_shared_experts.connector import FrameSet
+from afd_shared_experts.device import sync_debug_mode
+from afd_shared_experts.model import DTYPES, GATE_SIGMOID_GROUPED, GateWeights, MoESpec, load_attention_weights, \
+    load_ffn_weights, load_spec
 from afd_shared_experts.selfcheck import RunSpec, run_topologies
-from remote_moe_overhead import build_remote, median_step_ms, v3_inputs, v3_spec
+from afd_shared_experts.wire import DispatchTicket, WireLayout
 from shared_placement import write_model
 
 VARIANTS = [("ffn", "affinity"), ("ffn", "contiguous"), ("attention", "affinity")]
 # Largest |out - reference| relative to the largest |reference| of a layer.
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
+V3 = dict(hidden_size=7168, moe_intermediate_size=2048, shared_intermediate_size=2048, num_routed_experts=256,
+          top_k=8, num_groups=8, topk_groups=4, routed_scaling_factor=2.5)
 
 
 class CheckFailed(RuntimeError):
@@ -80,9 +93,6 @@ def selfcheck_all(device: torch.device, attention_ranks: int, ffn_ranks: int, to
             if report["data_plane"] != "staged":
                 raise CheckFailed(f"{run.placement}/{run.partition}, {run.dtype}: data plane {report['data_plane']} "
                                   "(expected staged: every rank is on one device)")
-            if report["row_count_syncs_per_layer_step"] != [1]:
-                raise CheckFailed(f"{run.placement}/{run.partition}, {run.dtype}: row-count syncs per layer step "
-                                  f"{report['row_count_syncs_per_layer_step']} (expected exactly 1)")
             dtype = DTYPES[run.dtype]
             expected = reference_outputs(model_dir, x.to(dtype).float(), dtype)
             worst = 0.0
@@ -94,34 +104,113 @@ def selfcheck_all(device: torch.device, attention_ranks: int, ffn_ranks: int, to
                                       f"{error:.2e} exceeds {TOLERANCE[run.dtype]:.0e}")
                 worst = max(worst, error)
             print(f"  {run.placement:>9} {run.partition:>10} {run.dtype:>8}: ok, max relative error {worst:.2e}, "
-                  f"{report['data_plane']} data plane, 1 row-count sync per layer step")
+                  f"{report['data_plane']} data plane")
 
 
-def timings(device: torch.device, token_counts: list[int], ffn_ranks: int, repeats: int) -> None:
-    import afd_shared_experts.model as model
+class LoopbackFFN:
+    """The connector as the layer sees it, with the FFN side done on the device: each reply is
+    its work frame's rows (identity experts), by device copies only, on one static frame set."""
 
-    spec = v3_spec(model)
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    print(f"timings on {device}: RemoteMoE dispatch + combine per layer step, DeepSeek-V3 shapes, bf16, "
-          f"F = {ffn_ranks}, no-op connector, median of {repeats}")
-    print(f"{'T':>5} {'affinity ms':>12} {'contiguous ms':>14}")
+    rank = 0
+
+    def __init__(self, layout: WireLayout, device: torch.device):
+        self.layout = layout
+        self.frames = FrameSet(work=layout.work_frames(layout.num_ffn_ranks, device),
+                               reply=layout.reply_frames(layout.num_ffn_ranks, device).zero_())
+        self._pending: list[DispatchTicket] = []
+
+    def acquire(self) -> FrameSet:
+        return self.frames
+
+    def dispatch(self, layer, stage, frames, *, stages=1):
+        rows = min(self.layout.capacity, self.layout.reply_capacity)
+        frames.reply[:, :rows].copy_(frames.work[:, self.layout.header_rows:self.layout.header_rows + rows])
+        self._pending.append(DispatchTicket(layer=layer, seq=len(self._pending), stage=stage))
+        return self._pending[-1]
+
+    def receive_replies(self, stage):
+        return self._pending.pop(0), self.frames
+
+    def release(self, frames):
+        pass
+
+
+def v3_layer(device: torch.device, partition: str, ffn_ranks: int, max_tokens: int):
+    spec = MoESpec(model_type="deepseek_v3", gate_kind=GATE_SIGMOID_GROUPED, norm_topk_prob=True, has_shared_gate=False,
+                   moe_layers=(0,), **V3)
+    gen = torch.Generator().manual_seed(0)
+    gate = GateWeights(weight=(torch.randn(spec.num_routed_experts, spec.hidden_size, generator=gen)
+                               * spec.hidden_size ** -0.5).to(device),
+                       correction_bias=(torch.randn(spec.num_routed_experts, generator=gen) * 0.01).to(device))
+    layout = WireLayout(hidden_size=spec.hidden_size, dtype=torch.bfloat16, local_experts=spec.local_experts(ffn_ranks),
+                        num_ffn_ranks=ffn_ranks, top_k=spec.top_k, max_tokens=max_tokens, shared=partition)
+    remote = RemoteMoE(spec=spec, layer=0, connector=LoopbackFFN(layout, device), num_ffn_ranks=ffn_ranks,
+                       placement="ffn", partition=partition, dtype=torch.bfloat16)
+    name = f"device-check.{partition}"
+    ops.register(name, remote)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        ids, weights = route(spec, gate, x)
+        return ops.remote_moe(x, ids, weights, name)
+
+    return spec, forward
+
+
+def graph_and_timings(device: torch.device, token_counts: list[int], ffn_ranks: int, repeats: int) -> None:
+    cuda = device.type == "cuda"
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+    print(f"remote MoE layer on {device}: DeepSeek-V3 shapes, bf16, F = {ffn_ranks}, placement ffn, loopback FFN on "
+          f"the device, {'eager vs CUDA graph replay' if cuda else 'eager'}, median of {repeats} (ms per layer step)")
+    print(f"{'T':>5} {'partition':>10} {'eager ms':>9} {'graph ms':>9} {'replay == eager':>15}")
     for tokens in token_counts:
-        inputs = v3_inputs(spec, tokens, device)
-        cells = [median_step_ms(build_remote(attention, spec, partition, ffn_ranks, device), inputs, repeats,
-                                synchronize) for partition in ("affinity", "contiguous")]
-        print(f"{tokens:>5} {cells[0]:>12.3f} {cells[1]:>14.3f}")
+        for partition in ("affinity", "contiguous"):
+            spec, forward = v3_layer(device, partition, ffn_ranks, max(token_counts))
+            gen = torch.Generator().manual_seed(tokens)
+            static_x = torch.randn(tokens, spec.hidden_size, generator=gen).to(device, torch.bfloat16)
+            eager_times = []
+            for _ in range(repeats + 1):  # the first warms up
+                synchronize()
+                started = time.perf_counter()
+                eager = forward(static_x)
+                synchronize()
+                eager_times.append((time.perf_counter() - started) * 1e3)
+            graph_ms, same = "-", "-"
+            if cuda:
+                graph = torch.cuda.CUDAGraph()
+                with sync_debug_mode(device, "error"), torch.cuda.graph(graph):
+                    static_out = forward(static_x)
+                other = torch.randn(tokens, spec.hidden_size, generator=gen).to(device, torch.bfloat16)
+                static_x.copy_(other)
+                with sync_debug_mode(device, "error"):
+                    graph.replay()
+                eager_other = forward(other)
+                synchronize()
+                if not torch.equal(static_out, eager_other):
+                    raise CheckFailed(f"T={tokens} {partition}: the replayed graph differs from the eager layer "
+                                      f"(max |diff| {float((static_out.float() - eager_other.float()).abs().max()):.3e})")
+                replays = []
+                for _ in range(repeats):
+                    synchronize()
+                    started = time.perf_counter()
+                    graph.replay()
+                    synchronize()
+                    replays.append((time.perf_counter() - started) * 1e3)
+                graph_ms, same = f"{statistics.median(replays):.3f}", "yes"
+            elif eager.shape != static_x.shape:
+                raise CheckFailed(f"T={tokens} {partition}: output shape {tuple(eager.shape)}")
+            print(f"{tokens:>5} {partition:>10} {statistics.median(eager_times[1:]):>9.3f} {graph_ms:>9} {same:>15}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scripts/device-check.sh", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                        help="cuda (default); cpu runs the same check without sync-debug mode, to test the check")
-    parser.add_argument("--attention-ranks", type=int, default=2)
-    parser.add_argument("--ffn-ranks", type=int, default=2, help="FFN ranks of the self-check (must divide 32)")
+                        help="cuda (default); cpu runs the same check without sync-debug mode or graphs, to test it")
+    parser.add_argument("--attention-ranks", type=int, default=1)
+    parser.add_argument("--ffn-ranks", type=int, default=1, help="FFN ranks of the self-check (must divide 32)")
     parser.add_argument("--tokens", type=int, default=67, help="tokens of the self-check")
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--timing-tokens", type=int, nargs="*", default=[1, 16, 64, 256, 1024, 4096],
-                        help="token counts of the timing table (none: skip the timings)")
+    parser.add_argument("--timing-tokens", type=int, nargs="*", default=[1, 64, 512],
+                        help="token counts of the graph check and timing table (none: skip them)")
     parser.add_argument("--timing-ffn-ranks", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=20)
     return parser
@@ -148,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         selfcheck_all(device, args.attention_ranks, args.ffn_ranks, args.tokens, args.steps)
         if args.timing_tokens:
-            timings(device, args.timing_tokens, args.timing_ffn_ranks, args.repeats)
+            graph_and_timings(device, args.timing_tokens, args.timing_ffn_ranks, args.repeats)
     except RuntimeError as exc:  # CheckFailed, or a forbidden sync under sync-debug mode
         print(f"device-check failed: {exc}", file=sys.stderr)
         return 1

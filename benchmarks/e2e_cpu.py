@@ -138,7 +138,7 @@ def stages_suite(args, prompts: list[list[int]], root: Path) -> int:
             traces = root / f"traces-{tag}"
             block = afd_block("attention", port=free_port(), placement=placement, ffn_ranks=1, stages=stages)
             servers = start_ffn_servers(model, block, root, count=1, tag=f"ffn-{tag}", trace_dir=traces,
-                                        cpus=FFN_CORE)
+                                        cpus=FFN_CORE, token_budget=request["max_num_batched_tokens"])
             try:
                 result = run_driver({**request, "additional_config": block, "load_format": "afd"}, root,
                                     f"afd-{tag}", timeout=1800, trace_dir=traces, cpus=ATTENTION_CORE,
@@ -234,7 +234,8 @@ def main() -> int:
                 tag = f"{placement}-{backend}"
                 block = afd_block("attention", port=free_port(), placement=placement)
                 servers = start_ffn_servers(model, block, root, tag=f"ffn-{tag}",
-                                            extra_args=("--expert-backend", backend))
+                                            extra_args=("--expert-backend", backend),
+                                            token_budget=request["max_num_batched_tokens"])
                 try:
                     result = run_driver({**request, "additional_config": block}, root, f"afd-{tag}")
                 finally:

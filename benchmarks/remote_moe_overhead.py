@@ -2,8 +2,8 @@
 
 DeepSeek-V3 shapes (hidden 7168, 256 routed experts, top-8 of 8 groups keeping 4, r = 2.5),
 bf16, F = 16 FFN ranks, placement 'ffn' with both partitions. The connector is a no-op that
-answers every dispatch at once with zero rows of the announced shape, so neither transport
-nor FFN compute is measured. (Placement 'attention' is left out: its local shared-expert GEMM
+answers every dispatch at once (``NoOpConnector``), so neither transport nor FFN compute is
+measured; frames are sized for the step's token count. (Placement 'attention' is left out: its local shared-expert GEMM
 is model compute, the same before and after.) BEFORE is another copy of the plugin package,
 e.g. the previous commit's (`git archive HEAD plugin | tar -x -C DIR`), loaded beside this
 checkout's package under another name; both run in one process, alternating step by step.
@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from afd_shared_experts.wire import DispatchTicket
+from afd_shared_experts.connector import FrameSet
+from afd_shared_experts.wire import DispatchTicket, WireLayout
 
 V3_SHAPE = {"hidden_size": 7168, "moe_intermediate_size": 2048, "shared_intermediate_size": 2048,
             "num_routed_experts": 256, "top_k": 8, "num_groups": 8, "topk_groups": 4,
@@ -39,18 +40,37 @@ PARTITIONS = ("affinity", "contiguous")
 
 
 class NoOpConnector:
-    """Answers each dispatch at once: per FFN rank, zero rows of the announced reply shape
-    (a broadcast view of one row, so no transport, no FFN compute and no allocation)."""
+    """Answers each dispatch at once without transport or FFN compute. Speaks both connector
+    interfaces, so a baseline package of either wire format runs against it: per-FFN-rank
+    payloads answered with zero rows of the announced shape (a broadcast view of one row), or
+    frames whose reply rows stay as they are."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device | str):
+    rank = 0
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device | str, layout=None):
         self.zero_row = torch.zeros(1, hidden_size, dtype=dtype, device=device)
+        self.layout, self.device = layout, device
+        self.frames = None
         self.pending: dict[int, deque] = {}
         self.seq = 0
 
-    def dispatch(self, layer, stage, payloads, *, step=None, stages=1):
+    def acquire(self):
+        if self.frames is None:
+            ranks = self.layout.num_ffn_ranks
+            self.frames = FrameSet(work=self.layout.work_frames(ranks, self.device),
+                                   reply=self.layout.reply_frames(ranks, self.device).zero_())
+        return self.frames
+
+    def release(self, frames):
+        pass
+
+    def dispatch(self, layer, stage, payloads_or_frames, *, step=None, stages=1):
         ticket = DispatchTicket(layer=layer, seq=self.seq, stage=stage)
         self.seq += 1
-        replies = [self.zero_row.expand(p.routed_rows + p.shared_rows, -1) for p in payloads]
+        if isinstance(payloads_or_frames, list):  # the per-rank payloads of wire format 1
+            replies = [self.zero_row.expand(p.routed_rows + p.shared_rows, -1) for p in payloads_or_frames]
+        else:
+            replies = payloads_or_frames
         self.pending.setdefault(stage, deque()).append((ticket, replies))
         return ticket
 
@@ -88,8 +108,11 @@ def v3_inputs(spec, tokens: int, device, dtype=torch.bfloat16):
     return x.to(device=device, dtype=dtype), ids.to(device), weights.to(device)
 
 
-def build_remote(attention_module, spec, partition: str, ffn_ranks: int, device, dtype=torch.bfloat16):
-    connector = NoOpConnector(spec.hidden_size, dtype, device)
+def build_remote(attention_module, spec, partition: str, ffn_ranks: int, device, dtype=torch.bfloat16,
+                 max_tokens: int = 1):
+    layout = WireLayout(hidden_size=spec.hidden_size, dtype=dtype, local_experts=spec.local_experts(ffn_ranks),
+                        num_ffn_ranks=ffn_ranks, top_k=spec.top_k, max_tokens=max_tokens, shared=partition)
+    connector = NoOpConnector(spec.hidden_size, dtype, device, layout)
     return attention_module.RemoteMoE(spec=spec, layer=0, connector=connector, num_ffn_ranks=ffn_ranks,
                                       placement="ffn", partition=partition, dtype=dtype)
 
@@ -163,7 +186,7 @@ def main(argv=None) -> int:
         inputs = v3_inputs(v3_spec(after[1], args.hidden), tokens, "cpu")
         for partition in PARTITIONS:
             remotes = [build_remote(attention_module, v3_spec(model_module, args.hidden), partition, args.ffn_ranks,
-                                    "cpu")
+                                    "cpu", max_tokens=tokens)
                        for attention_module, model_module in (before, after)]
             # Alternating before/after step by step, so a change in the machine's load hits both.
             times = [[], []]

@@ -2,57 +2,48 @@
 
 A vLLM model wrapper calls ``RemoteMoE.forward(hidden_states, topk_ids, topk_weights)``
 (or ``dispatch`` + ``combine`` to overlap other work) in place of its FusedMoE call.
+Dispatch packs each FFN rank's rows into its frame (``wire.py``) on the input's device;
+combine gathers the replies back and sums each token's top-k in slot order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 from .compute import combine, route, shared_expert_output
 from .connector import AFDConnector
-from .wire import DispatchTicket, FFNPayload
+from .wire import COUNTS_AT, EXTRA_FIELD, KIND_WORK, ROWS_FIELD, DispatchTicket
 from .metrics import RuntimeMetrics
 from .model import GateWeights, MoESpec, SharedExpertWeights
-from .partition import affinity_assignment, contiguous_ranges
+from .partition import affinity_assignment, contiguous_assignment
 from .trace import clocks, stage_trace, trace_enabled
-
-
-def host_row_counts(counts: torch.Tensor) -> list[list[list[int]]]:
-    """The Attention side's only host sync per MoE layer and step.
-
-    ``counts`` [2, F, E_local]: rows per (FFN rank, local expert), then how many of them
-    lead their group as shared-expert rows. The host needs them to size every send and
-    write the headers; nothing else in dispatch or combine reads device data on the host.
-    """
-    return counts.tolist()
-
-
-@dataclass
-class _RankPlan:
-    tokens: torch.Tensor  # token index of each routed row, in wire order
-    weights: torch.Tensor  # top-k weight of each routed row (float32)
-    shared_tokens: torch.Tensor  # token index of each shared row, in reply order
 
 
 @dataclass
 class PendingCombine:
+    """What the combine of one dispatch needs, all on the input's device: for each row in wire
+    order (by FFN rank, local expert, shared rows first, token) its (token, slot) row and where
+    its expert output lands in the flattened reply frames; for each token, where its shared
+    output lands (placement 'ffn')."""
+
     ticket: DispatchTicket
-    plans: list[_RankPlan]
+    order: torch.Tensor  # [T * k] (token, slot) row of each wire row
+    reply_index: torch.Tensor  # [T * k] row of the flattened reply frames [F * reply_capacity, H]
+    shared_index: torch.Tensor | None  # [T]
+    weights: torch.Tensor  # [T, k] float32
     num_tokens: int
     total_rows: int
     local_shared: torch.Tensor | None
-    hidden_size: int
-    device: torch.device
 
 
 class RemoteMoE:
     """One MoE layer's routed (and, under placement 'ffn', shared) experts on FFN ranks.
 
-    Every tensor of dispatch and combine lives on the input's device; the row counts are
-    read on the host once per call, in ``host_row_counts``.
+    Dispatch and combine are tensor operations on the input's device with shapes that depend
+    only on the token count: no host sync and no data-dependent shape, so they run under a
+    captured graph or torch.compile's tracing (the row counts reach the FFN side inside the
+    frames' headers, written on the device).
     """
 
     def __init__(
@@ -67,7 +58,6 @@ class RemoteMoE:
         dtype: torch.dtype,
         shared: SharedExpertWeights | None = None,
         metrics: RuntimeMetrics | None = None,
-        read_row_counts: Callable[[torch.Tensor], list[list[list[int]]]] | None = None,
     ):
         if placement == "attention" and shared is None:
             raise ValueError("placement 'attention' needs the shared-expert weights on the Attention rank")
@@ -81,14 +71,12 @@ class RemoteMoE:
         self.placement, self.partition, self.dtype = placement, partition, dtype
         self.shared, self.metrics = shared, metrics
         self.trace = stage_trace("attention", connector.rank) if trace_enabled() else None
-        # Wraps host_row_counts (the selfcheck counts it and allows its sync under sync-debug mode).
-        self.read_row_counts = read_row_counts
+        self._static_headers: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
-                num_tokens: int | None = None, stage: int = 0, step: int | None = None,
-                stages: int = 1) -> torch.Tensor:
+                num_tokens: int | None = None, stage: int = 0, stages: int = 1) -> torch.Tensor:
         return self.combine(self.dispatch(hidden_states, topk_ids, topk_weights, num_tokens=num_tokens, stage=stage,
-                                          step=step, stages=stages))
+                                          stages=stages))
 
     def _designated_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """[T * k] bool: the row that carries its token's shared work to the FFN side."""
@@ -101,100 +89,119 @@ class RemoteMoE:
         slot = torch.arange(top_k, device=ids.device)
         return (slot == candidates.argmin(dim=1, keepdim=True)).reshape(-1)
 
+    def _static_header(self, stage: int, stages: int, device: torch.device) -> torch.Tensor:
+        """The header fields fixed per (layer, stage, stages), made on the device once."""
+        key = (stage, stages, device)
+        header = self._static_headers.get(key)
+        if header is None:
+            values = self.connector.layout.static_header(KIND_WORK, self.layer, stage, stages, self.connector.rank)
+            # A copy up that never waits on the stream (first use of a key only).
+            header = self._static_headers[key] = torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+        return header
+
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
-                 num_tokens: int | None = None, stage: int = 0, step: int | None = None,
-                 stages: int = 1) -> PendingCombine:
+                 num_tokens: int | None = None, stage: int = 0, stages: int = 1) -> PendingCombine:
         """Send this step's rows. Rows at index >= num_tokens are padding: never sent, zero output.
-        ``step``/``stages``: this rank's forward counter (None: the connector counts) and its
-        stage count in it (the FFN gathers one (step, layer, stage) from every Attention rank
-        into one expert pass)."""
+        ``stages``: how many stages this rank runs in this step (the FFN gathers one (step, layer,
+        stage) from every Attention rank into one expert pass)."""
         started = clocks() if self.trace is not None else None
         total_rows, hidden = hidden_states.shape
         real = total_rows if num_tokens is None else num_tokens
         if not 0 <= real <= total_rows:
             raise ValueError(f"num_tokens must be in [0, {total_rows}] (got {real})")
+        layout = self.connector.layout
+        layout.check_tokens(real, f"layer {self.layer}")
         device = hidden_states.device
         x = hidden_states[:real].to(self.dtype)
-        ids = topk_ids[:real].to(torch.int64)
-        if ids.dim() != 2:
-            ids = ids.reshape(real, self.spec.top_k)
-        top_k = ids.shape[1]
-        ffn, num_experts = self.num_ffn_ranks, self.spec.num_routed_experts
+        ids = topk_ids[:real].to(torch.int64).reshape(real, self.spec.top_k)
+        top_k, ffn, local = ids.shape[1], self.num_ffn_ranks, self.local_experts
+        frame_rows, reply_rows, header_rows = layout.work_rows, layout.reply_capacity, layout.header_rows
 
-        token_of_row = torch.arange(real * top_k, device=device) // top_k
+        rows = real * top_k
+        token_of_row = torch.arange(rows, device=device) // top_k
         flat_ids = ids.reshape(-1)
         designated = self._designated_rows(ids)
-        # Wire order: by FFN rank, then local expert, designated rows first, then token.
         key = (flat_ids * 2 + (~designated).long()) * (real + 1) + token_of_row
         order = torch.argsort(key, stable=True)
-        counts = torch.zeros(2, num_experts, dtype=torch.int64, device=device)
+        counts = torch.zeros(2, self.spec.num_routed_experts, dtype=torch.int64, device=device)
         counts[0].index_add_(0, flat_ids, torch.ones_like(flat_ids))
         counts[1].index_add_(0, flat_ids, designated.long())
-        read = self.read_row_counts or host_row_counts
-        routed_counts, shared_prefix = read(counts.view(2, ffn, self.local_experts))
-        rows_per_rank = [sum(c) for c in routed_counts]
-        shared_per_rank = [sum(p) for p in shared_prefix]
-
+        per_rank = counts.view(2, ffn, local).sum(2)  # [routed rows, designated rows] per FFN rank
+        starts = per_rank.cumsum(1) - per_rank
+        wire_rank = flat_ids.index_select(0, order) // local
         wire_tokens = token_of_row.index_select(0, order)
-        wire_weights = topk_weights[:real].float().reshape(-1).index_select(0, order)
-        wire_rows = x.index_select(0, wire_tokens)
-        # Shared rows come back in wire order of the designated rows, rank by rank.
-        designated_first = torch.argsort((~designated.index_select(0, order)).int(), stable=True)
-        shared_wire = designated_first[:sum(shared_per_rank)]
-        shared_tokens = wire_tokens.index_select(0, shared_wire).split(shared_per_rank)
-        ranges = contiguous_ranges(real, ffn) if self.placement == "ffn" and self.partition == "contiguous" else None
+        position = torch.arange(rows, device=device) - starts[0].index_select(0, wire_rank)
 
-        payloads, plans = [], []
-        for f, (tokens, rank_weights, rows) in enumerate(zip(wire_tokens.split(rows_per_rank),
-                                                             wire_weights.split(rows_per_rank),
-                                                             wire_rows.split(rows_per_rank))):
-            rank_shared, extra = shared_tokens[f], 0
-            if ranges is not None:
-                lo, hi = ranges[f]
-                extra = hi - lo
-                rows = torch.cat([rows, x[lo:hi]])
-                rank_shared = torch.arange(lo, hi, device=device)
-            payloads.append(FFNPayload(rows=rows, routed_counts=tuple(routed_counts[f]),
-                                       shared_prefix=tuple(shared_prefix[f]), shared_extra=extra))
-            plans.append(_RankPlan(tokens=tokens, weights=rank_weights, shared_tokens=rank_shared))
-        ticket = self.connector.dispatch(self.layer, stage, payloads, step=step, stages=stages)
+        frames = self.connector.acquire()
+        flat_work = frames.work.view(ffn * frame_rows, hidden)
+        flat_work.index_copy_(0, wire_rank * frame_rows + header_rows + position, x.index_select(0, wire_tokens))
+        extra = torch.zeros(ffn, dtype=torch.int64, device=device)
+        shared_index = None
+        if self.placement == "ffn" and self.partition == "contiguous":
+            # Each token once more, after its range's rank's routed rows.
+            token_rank, index_in_range, extra = contiguous_assignment(real, ffn, device)
+            slot = per_rank[0].index_select(0, token_rank) + index_in_range
+            flat_work.index_copy_(0, token_rank * frame_rows + header_rows + slot, x)
+            shared_index = token_rank * reply_rows + slot
+        elif self.placement == "ffn":
+            # Each token's one designated row; its shared output follows the rank's routed rows,
+            # in the wire order of the rank's designated rows.
+            wire_designated = designated.index_select(0, order)
+            nth_shared = wire_designated.long().cumsum(0) - 1 - starts[1].index_select(0, wire_rank)
+            target = torch.where(wire_designated, wire_tokens, real)  # non-designated rows land in slot `real`
+            source = wire_rank * reply_rows + per_rank[0].index_select(0, wire_rank) + nth_shared
+            shared_index = torch.zeros(real + 1, dtype=torch.int64, device=device).scatter_(0, target, source)[:real]
+
+        headers = layout.headers(frames.work)
+        headers[:, :ROWS_FIELD] = self._static_header(stage, stages, device)
+        headers[:, ROWS_FIELD] = per_rank[0] + extra
+        headers[:, EXTRA_FIELD] = extra
+        headers[:, COUNTS_AT:COUNTS_AT + local] = counts[0].view(ffn, local)
+        headers[:, COUNTS_AT + local:] = counts[1].view(ffn, local)
+        ticket = self.connector.dispatch(self.layer, stage, frames, stages=stages)
         if started is not None:
             self.trace.record("dispatch", started[0], wall_ns=started[1], step=ticket.step, layer=self.layer, stage=stage,
-                              rows=sum(p.rows.shape[0] for p in payloads))
-        if self.metrics is not None:
-            self.metrics.tokens_dispatched.labels(kind="routed", layer=str(self.layer)).inc(sum(p.routed_rows for p in payloads))
-            self.metrics.tokens_dispatched.labels(kind="shared", layer=str(self.layer)).inc(sum(p.shared_rows for p in payloads))
+                              rows=rows)
+        if self.metrics is not None:  # host-known: every row goes to one FFN rank, each token's shared work once
+            self.metrics.tokens_dispatched.labels(kind="routed", layer=str(self.layer)).inc(rows)
+            self.metrics.tokens_dispatched.labels(kind="shared", layer=str(self.layer)).inc(
+                real if self.placement == "ffn" else 0)
         # Under placement 'attention' the shared expert runs here while FFN ranks work.
         local_shared = shared_expert_output(x, self.shared) if self.placement == "attention" else None
-        return PendingCombine(ticket=ticket, plans=plans, num_tokens=real, total_rows=total_rows,
-                              local_shared=local_shared, hidden_size=hidden, device=device)
+        return PendingCombine(ticket=ticket, order=order, reply_index=wire_rank * reply_rows + position,
+                              shared_index=shared_index, weights=topk_weights[:real].float().reshape(real, top_k),
+                              num_tokens=real, total_rows=total_rows, local_shared=local_shared)
 
     def combine(self, pending: PendingCombine) -> torch.Tensor:
         started = clocks() if self.trace is not None else None
-        ticket, replies = self.connector.receive_replies(pending.ticket.stage)
+        ticket, frames = self.connector.receive_replies(pending.ticket.stage)
         if started is not None:
             where = dict(step=ticket.step, layer=self.layer, stage=ticket.stage)
             self.trace.record("combine_wait", started[0], wall_ns=started[1], rows=0, **where)
             started = clocks()
         if ticket != pending.ticket:
             raise RuntimeError(f"combine out of order: expected {pending.ticket}, the connector answered {ticket}")
-        real, hidden, device = pending.num_tokens, pending.hidden_size, pending.device
-        routed_sum = torch.zeros(real, hidden, dtype=torch.float32, device=device)
-        shared = pending.local_shared
-        if shared is None:
-            shared = torch.zeros(real, hidden, dtype=self.dtype, device=device)
-        for plan, reply in zip(pending.plans, replies):
-            routed_count = plan.tokens.shape[0]
-            if routed_count:
-                routed_sum.index_add_(0, plan.tokens, reply[:routed_count].float() * plan.weights[:, None])
-            if plan.shared_tokens.shape[0]:
-                shared.index_copy_(0, plan.shared_tokens, reply[routed_count:].to(shared.dtype))
+        real, top_k = pending.weights.shape
+        hidden = frames.reply.shape[-1]
+        replies = frames.reply.view(-1, hidden)
+        # Expert outputs back in (token, slot) order, then each token's weighted sum over its
+        # top-k in slot order: no atomics, the same float32 sum whatever the wire order.
+        by_slot = torch.empty(real * top_k, hidden, dtype=replies.dtype, device=replies.device)
+        by_slot.index_copy_(0, pending.order, replies.index_select(0, pending.reply_index))
+        routed_sum = (by_slot.view(real, top_k, hidden).float() * pending.weights[:, :, None]).sum(dim=1)
+        if pending.local_shared is not None:
+            shared = pending.local_shared
+        elif pending.shared_index is not None:
+            shared = replies.index_select(0, pending.shared_index)
+        else:
+            shared = torch.zeros(real, hidden, dtype=self.dtype, device=replies.device)
         out = combine(routed_sum, shared, self.spec.routed_scaling_factor, self.dtype)
+        self.connector.release(frames)  # every read of the replies is queued before this
         if started is not None:
             self.trace.record("combine", started[0], wall_ns=started[1], rows=real, **where)
         if pending.total_rows == real:
             return out
-        padded = torch.zeros(pending.total_rows, hidden, dtype=self.dtype, device=device)
+        padded = torch.zeros(pending.total_rows, hidden, dtype=self.dtype, device=out.device)
         padded[:real] = out
         return padded
 

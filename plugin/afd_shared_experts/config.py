@@ -10,7 +10,7 @@ imports this module.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 DEFAULT_RENDEZVOUS_PORT = 1239
 DEFAULT_TIMEOUT_SECONDS = 60.0
@@ -27,37 +27,9 @@ PARTITIONS = ("affinity", "contiguous")
 CONNECTORS = {"p2p": True}
 CONNECTOR_ALIASES = {"p2pconnector": "p2p", "torch_p2p": "p2p"}
 
-KEY_ALIASES = {
-    "afd_role": "role",
-    "afd_connector": "connector",
-    "async_dp": "async",
-    "afd_host": "host",
-    "afd_port": "port",
-    "num_afd_stages": "num_stages",
-    "afd_extra_config": "connector_extra_config",
-}
-TOP_LEVEL_KEYS = (
-    "role",
-    "connector",
-    "async",
-    "host",
-    "port",
-    "num_attention_ranks",
-    "num_ffn_ranks",
-    "num_stages",
-    "compute_gate_on_attention",
-    "connector_extra_config",
-    "shared_experts",
-    "metrics_port",
-    "health_port",
-    "timeout_seconds",
-    "rendezvous_timeout_seconds",
-)
-EXTRA_KEYS = ("attn_ranks_per_dp", "dynamicQuant", "data_plane")
 # How payloads travel (docs/plugin-runtime.md): on the device backend, staged through host memory
 # over gloo, or whichever every rank of the world can use (the same on every rank).
 DATA_PLANES = ("auto", "direct", "staged")
-SHARED_KEYS = ("placement", "partition")
 
 
 # The most micro-batch stages an Attention step runs; the wire format and the FFN side apply the same bound.
@@ -99,8 +71,125 @@ class SharedExpertsConfig:
     placement: str = "attention"
     partition: str = "affinity"
 
-    def to_block(self) -> dict[str, Any]:
-        return {"placement": self.placement, "partition": self.partition}
+
+# --------------------------------------------------------------------------- field parsers
+# Each takes (raw value, field path) and returns the typed value or raises AFDConfigError.
+
+
+def _as_int(value: Any, path: str, *, minimum: int, maximum: int | None = None) -> int:
+    # afd-plugin examples pass numbers as JSON strings ("29500"); accept decimal strings too.
+    if isinstance(value, bool):
+        raise AFDConfigError(path, "must be an integer", value)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        parsed = int(value.strip())
+    elif isinstance(value, int):
+        parsed = value
+    else:
+        raise AFDConfigError(path, "must be an integer", value)
+    if parsed < minimum or (maximum is not None and parsed > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise AFDConfigError(path, f"must be {bound}", value)
+    return parsed
+
+
+def _integer(minimum: int, maximum: int | None = None) -> Callable[[Any, str], int]:
+    return lambda value, path: _as_int(value, path, minimum=minimum, maximum=maximum)
+
+
+def _boolean(value: Any, path: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise AFDConfigError(path, "must be a boolean (true|false)", value)
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[Any, str], str]:
+    def parse(value: Any, path: str) -> str:
+        if not isinstance(value, str) or value not in choices:
+            raise AFDConfigError(path, f"must be one of {', '.join(choices)}", value)
+        return value
+
+    return parse
+
+
+def _optional_port(value: Any, path: str) -> int | None:
+    return None if value is None else _as_int(value, path, minimum=0, maximum=65535)
+
+
+def _positive_seconds(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise AFDConfigError(path, "must be a positive number of seconds", value)
+    return float(value)
+
+
+def _connector_name(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        raise AFDConfigError(path, "must be a string", value)
+    connector = CONNECTOR_ALIASES.get(value.lower(), value.lower())
+    if connector not in CONNECTORS:
+        known = ", ".join(sorted(CONNECTORS) + sorted(CONNECTOR_ALIASES))
+        raise AFDConfigError(path, f"unknown connector; known: {known}", value)
+    return connector
+
+
+def _host(value: Any, path: str) -> str:
+    if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+        raise AFDConfigError(path, "must be a non-empty IP address or DNS name", value)
+    return value
+
+
+# --------------------------------------------------------------------------- the fields
+
+REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class BlockField:
+    """One key of the ``afd`` block: where it sits (``section`` None: top level), the
+    ``AFDConfig`` attribute it fills (dotted for ``shared_experts``), its parser, default and
+    older spellings."""
+
+    key: str
+    attr: str
+    parse: Callable[[Any, str], Any]
+    default: Any = REQUIRED
+    section: str | None = None
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def path(self) -> str:
+        return ".".join(["afd", *([self.section] if self.section else []), self.key])
+
+
+# The one table of the block: AFDConfig, its builder, ``to_block`` and the parser all follow it.
+FIELDS = (
+    BlockField("role", "role", _choice(ROLES), aliases=("afd_role",)),
+    BlockField("connector", "connector", _connector_name, "p2p", aliases=("afd_connector",)),
+    BlockField("async", "async_dp", _boolean, True, aliases=("async_dp",)),
+    BlockField("host", "host", _host, "127.0.0.1", aliases=("afd_host",)),
+    BlockField("port", "port", _integer(1, 65535), DEFAULT_RENDEZVOUS_PORT, aliases=("afd_port",)),
+    BlockField("num_attention_ranks", "num_attention_ranks", _integer(1)),
+    BlockField("num_ffn_ranks", "num_ffn_ranks", _integer(1)),
+    BlockField("num_stages", "num_stages", _integer(1, MAX_STAGES), 1, aliases=("num_afd_stages",)),
+    BlockField("compute_gate_on_attention", "compute_gate_on_attention", _boolean, True),
+    BlockField("attn_ranks_per_dp", "attn_ranks_per_dp", _integer(1), 1, section="connector_extra_config"),
+    BlockField("dynamicQuant", "dynamic_quant", _integer(0, 1), 0, section="connector_extra_config"),
+    BlockField("data_plane", "data_plane", _choice(DATA_PLANES), "auto", section="connector_extra_config"),
+    BlockField("placement", "shared_experts.placement", _choice(PLACEMENTS), "attention", section="shared_experts"),
+    BlockField("partition", "shared_experts.partition", _choice(PARTITIONS), "affinity", section="shared_experts"),
+    BlockField("metrics_port", "metrics_port", _optional_port, None),
+    BlockField("health_port", "health_port", _optional_port, None),
+    BlockField("timeout_seconds", "timeout_seconds", _positive_seconds, DEFAULT_TIMEOUT_SECONDS),
+    BlockField("rendezvous_timeout_seconds", "rendezvous_timeout_seconds", _positive_seconds,
+               DEFAULT_RENDEZVOUS_TIMEOUT_SECONDS),
+)
+SECTIONS = {"connector_extra_config": ("afd_extra_config",), "shared_experts": ()}
+TOP_LEVEL_KEYS = tuple(dict.fromkeys([f.key for f in FIELDS if f.section is None] + list(SECTIONS)))
+KEY_ALIASES = {alias: f.key for f in FIELDS if f.section is None for alias in f.aliases} | \
+    {alias: section for section, aliases in SECTIONS.items() for alias in aliases}
+EXTRA_KEYS = tuple(f.key for f in FIELDS if f.section == "connector_extra_config")
+SHARED_KEYS = tuple(f.key for f in FIELDS if f.section == "shared_experts")
 
 
 @dataclass(frozen=True)
@@ -130,32 +219,20 @@ class AFDConfig:
     def ffn_world_rank(self, ffn_index: int) -> int:
         return self.num_attention_ranks + ffn_index
 
+    def value(self, block_field: BlockField) -> Any:
+        owner, _, attr = block_field.attr.rpartition(".")
+        return getattr(getattr(self, owner) if owner else self, attr)
+
     def to_block(self) -> dict[str, Any]:
-        """The ``afd`` block in canonical key spellings: ``parse_afd_config`` of
+        """The ``afd`` block in canonical key spellings, every key (unset probe ports are left
+        out: the parser reads an absent key as None): ``parse_afd_config`` of
         :meth:`as_additional_config` gives back an equal config (JSON-safe values only)."""
-        block: dict[str, Any] = {
-            "role": self.role,
-            "connector": self.connector,
-            "async": self.async_dp,
-            "host": self.host,
-            "port": self.port,
-            "num_attention_ranks": self.num_attention_ranks,
-            "num_ffn_ranks": self.num_ffn_ranks,
-            "num_stages": self.num_stages,
-            "compute_gate_on_attention": self.compute_gate_on_attention,
-            "connector_extra_config": {
-                "attn_ranks_per_dp": self.attn_ranks_per_dp,
-                "dynamicQuant": self.dynamic_quant,
-                "data_plane": self.data_plane,
-            },
-            "shared_experts": self.shared_experts.to_block(),
-            "timeout_seconds": self.timeout_seconds,
-            "rendezvous_timeout_seconds": self.rendezvous_timeout_seconds,
-        }
-        # Unset probe ports are left out: the parser reads an absent key as None.
-        for key, port in (("metrics_port", self.metrics_port), ("health_port", self.health_port)):
-            if port is not None:
-                block[key] = port
+        block: dict[str, Any] = {}
+        for block_field in FIELDS:
+            value = self.value(block_field)
+            if value is None:
+                continue
+            (block.setdefault(block_field.section, {}) if block_field.section else block)[block_field.key] = value
         return block
 
     def as_additional_config(self) -> dict[str, Any]:
@@ -185,12 +262,13 @@ class AFDConfig:
             )
 
 
-def _check_keys(block: Mapping[str, Any], allowed: tuple[str, ...], path: str) -> dict[str, Any]:
+def _check_keys(block: Mapping[str, Any], allowed: tuple[str, ...], path: str,
+                aliases: Mapping[str, str] | None = None) -> dict[str, Any]:
     if not isinstance(block, Mapping):
         raise AFDConfigError(path, "must be a mapping", block)
     normalized: dict[str, Any] = {}
     for key, value in block.items():
-        canonical = KEY_ALIASES.get(key, key) if path == "afd" else key
+        canonical = (aliases or {}).get(key, key)
         if canonical not in allowed:
             raise AFDConfigError(f"{path}.{key}", f"unknown key; allowed: {', '.join(allowed)}", value)
         if canonical in normalized:
@@ -199,144 +277,60 @@ def _check_keys(block: Mapping[str, Any], allowed: tuple[str, ...], path: str) -
     return normalized
 
 
-def _as_int(value: Any, path: str, *, minimum: int, maximum: int | None = None) -> int:
-    # afd-plugin examples pass numbers as JSON strings ("29500"); accept decimal strings too.
-    if isinstance(value, bool):
-        raise AFDConfigError(path, "must be an integer", value)
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        parsed = int(value.strip())
-    elif isinstance(value, int):
-        parsed = value
-    else:
-        raise AFDConfigError(path, "must be an integer", value)
-    if parsed < minimum or (maximum is not None and parsed > maximum):
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise AFDConfigError(path, f"must be {bound}", value)
-    return parsed
-
-
-def _as_bool(value: Any, path: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    raise AFDConfigError(path, "must be a boolean (true|false)", value)
-
-
-def _as_choice(value: Any, path: str, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise AFDConfigError(path, f"must be one of {', '.join(choices)}", value)
-    return value
-
-
-def _as_port(value: Any, path: str) -> int:
-    return _as_int(value, path, minimum=0, maximum=65535)
-
-
-def _positive_seconds(raw: Mapping[str, Any], key: str, default: float) -> float:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise AFDConfigError(f"afd.{key}", "must be a positive number of seconds", value)
-    return float(value)
+def _parse_fields(additional_config: Mapping[str, Any]) -> dict[str, Any]:
+    """Every field of the table from the block: attribute -> typed value."""
+    if not isinstance(additional_config, Mapping) or "afd" not in additional_config:
+        raise AFDConfigError("afd", "missing: the additional config has no 'afd' block", show_value=False)
+    raw = _check_keys(additional_config["afd"], TOP_LEVEL_KEYS, "afd", KEY_ALIASES)
+    sections = {section: _check_keys(raw.get(section, {}), tuple(f.key for f in FIELDS if f.section == section),
+                                     f"afd.{section}")
+                for section in SECTIONS}
+    values = {}
+    for block_field in FIELDS:
+        holder = sections[block_field.section] if block_field.section else raw
+        if block_field.key in holder:
+            values[block_field.attr] = block_field.parse(holder[block_field.key], block_field.path)
+        elif block_field.default is REQUIRED:
+            raise AFDConfigError(block_field.path, "is required", show_value=False)
+        else:
+            values[block_field.attr] = block_field.default
+    return values
 
 
 def parse_afd_config(additional_config: Mapping[str, Any]) -> AFDConfig:
     """Parse vLLM's ``additional_config`` mapping (which must hold an ``afd`` block)."""
-    if not isinstance(additional_config, Mapping) or "afd" not in additional_config:
-        raise AFDConfigError("afd", "missing: the additional config has no 'afd' block", show_value=False)
-    raw = _check_keys(additional_config["afd"], TOP_LEVEL_KEYS, "afd")
+    values = _parse_fields(additional_config)
+    shared = SharedExpertsConfig(**{attr.split(".", 1)[1]: values.pop(attr) for attr in list(values)
+                                    if attr.startswith("shared_experts.")})
+    cfg = AFDConfig(shared_experts=shared, **values)
+    _check_rules(cfg)
+    return cfg
 
-    for required in ("role", "num_attention_ranks", "num_ffn_ranks"):
-        if required not in raw:
-            raise AFDConfigError(f"afd.{required}", "is required", show_value=False)
-    role = _as_choice(raw["role"], "afd.role", ROLES)
-    num_attention = _as_int(raw["num_attention_ranks"], "afd.num_attention_ranks", minimum=1)
-    num_ffn = _as_int(raw["num_ffn_ranks"], "afd.num_ffn_ranks", minimum=1)
 
-    connector_name = raw.get("connector", "p2p")
-    if not isinstance(connector_name, str):
-        raise AFDConfigError("afd.connector", "must be a string", connector_name)
-    connector = CONNECTOR_ALIASES.get(connector_name.lower(), connector_name.lower())
-    if connector not in CONNECTORS:
-        known = ", ".join(sorted(CONNECTORS) + sorted(CONNECTOR_ALIASES))
-        raise AFDConfigError("afd.connector", f"unknown connector; known: {known}", connector_name)
-    async_dp = _as_bool(raw.get("async", True), "afd.async")
-
-    host = raw.get("host", "127.0.0.1")
-    if not isinstance(host, str) or not host.strip() or any(c.isspace() for c in host):
-        raise AFDConfigError("afd.host", "must be a non-empty IP address or DNS name", host)
-    port = _as_int(raw.get("port", DEFAULT_RENDEZVOUS_PORT), "afd.port", minimum=1, maximum=65535)
-    num_stages = _as_int(raw.get("num_stages", 1), "afd.num_stages", minimum=1, maximum=MAX_STAGES)
-    gate_on_attention = _as_bool(raw.get("compute_gate_on_attention", True), "afd.compute_gate_on_attention")
-
-    extra = _check_keys(raw.get("connector_extra_config", {}), EXTRA_KEYS, "afd.connector_extra_config")
-    attn_per_dp = _as_int(extra.get("attn_ranks_per_dp", 1), "afd.connector_extra_config.attn_ranks_per_dp", minimum=1)
-    if num_attention % attn_per_dp != 0:
-        raise AFDConfigError(
-            "afd.connector_extra_config.attn_ranks_per_dp",
-            f"must divide afd.num_attention_ranks ({num_attention} = DP x TP)",
-            attn_per_dp,
-        )
-    dynamic_quant = _as_int(extra.get("dynamicQuant", 0), "afd.connector_extra_config.dynamicQuant", minimum=0, maximum=1)
-    data_plane = _as_choice(extra.get("data_plane", "auto"), "afd.connector_extra_config.data_plane", DATA_PLANES)
-
-    shared_raw = _check_keys(raw.get("shared_experts", {}), SHARED_KEYS, "afd.shared_experts")
-    shared = SharedExpertsConfig(
-        placement=_as_choice(shared_raw.get("placement", "attention"), "afd.shared_experts.placement", PLACEMENTS),
-        partition=_as_choice(shared_raw.get("partition", "affinity"), "afd.shared_experts.partition", PARTITIONS),
-    )
-    if shared.placement == "ffn":
+def _check_rules(cfg: AFDConfig) -> None:
+    """Rules between fields."""
+    if cfg.num_attention_ranks % cfg.attn_ranks_per_dp != 0:
+        raise AFDConfigError("afd.connector_extra_config.attn_ranks_per_dp",
+                             f"must divide afd.num_attention_ranks ({cfg.num_attention_ranks} = DP x TP)",
+                             cfg.attn_ranks_per_dp)
+    async_connector = cfg.async_dp and CONNECTORS[cfg.connector]
+    if cfg.shared_experts.placement == "ffn":
         # FFN-side shared experts ride in the dispatch header: needs the async, header-driven path.
-        if not async_dp or not CONNECTORS[connector]:
-            raise AFDConfigError(
-                "afd.shared_experts.placement",
-                "'ffn' requires an async connector (afd.async: true)",
-                shared.placement,
-            )
+        if not async_connector:
+            raise AFDConfigError("afd.shared_experts.placement", "'ffn' requires an async connector (afd.async: true)",
+                                 "ffn")
         # Both partitions are derived from the top-k ids, so the gate must run on Attention.
-        if not gate_on_attention:
-            raise AFDConfigError(
-                "afd.shared_experts.placement",
-                "'ffn' requires afd.compute_gate_on_attention: true",
-                shared.placement,
-            )
-    if num_stages > 1 and not (async_dp and CONNECTORS[connector]):
+        if not cfg.compute_gate_on_attention:
+            raise AFDConfigError("afd.shared_experts.placement", "'ffn' requires afd.compute_gate_on_attention: true",
+                                 "ffn")
+    if cfg.num_stages > 1 and not async_connector:
         # Micro-batches of a step are dispatched before the first is combined: the FFN side
         # must serve work in arrival order, as the async, header-driven path does.
         raise AFDConfigError("afd.num_stages", "more than 1 stage needs an async connector (afd.async: true)",
-                             num_stages)
-    if dynamic_quant and shared.placement == "ffn":
-        raise AFDConfigError(
-            "afd.connector_extra_config.dynamicQuant",
-            "quantized dispatch is not supported with shared_experts.placement 'ffn'",
-            dynamic_quant,
-        )
-
-    metrics_port = None if raw.get("metrics_port") is None else _as_port(raw["metrics_port"], "afd.metrics_port")
-    health_port = None if raw.get("health_port") is None else _as_port(raw["health_port"], "afd.health_port")
-    for name, value in (("metrics_port", metrics_port), ("health_port", health_port)):
-        if value is not None and value != 0 and value == port:
+                             cfg.num_stages)
+    if cfg.dynamic_quant and cfg.shared_experts.placement == "ffn":
+        raise AFDConfigError("afd.connector_extra_config.dynamicQuant",
+                             "quantized dispatch is not supported with shared_experts.placement 'ffn'", cfg.dynamic_quant)
+    for name, value in (("metrics_port", cfg.metrics_port), ("health_port", cfg.health_port)):
+        if value is not None and value != 0 and value == cfg.port:
             raise AFDConfigError(f"afd.{name}", "must differ from afd.port (the rendezvous port)", value)
-
-    timeout = _positive_seconds(raw, "timeout_seconds", DEFAULT_TIMEOUT_SECONDS)
-    rendezvous_timeout = _positive_seconds(raw, "rendezvous_timeout_seconds", DEFAULT_RENDEZVOUS_TIMEOUT_SECONDS)
-
-    return AFDConfig(
-        role=role,
-        num_attention_ranks=num_attention,
-        num_ffn_ranks=num_ffn,
-        connector=connector,
-        async_dp=async_dp,
-        host=host.strip(),
-        port=port,
-        num_stages=num_stages,
-        compute_gate_on_attention=gate_on_attention,
-        attn_ranks_per_dp=attn_per_dp,
-        dynamic_quant=dynamic_quant,
-        data_plane=data_plane,
-        shared_experts=shared,
-        metrics_port=metrics_port,
-        health_port=health_port,
-        timeout_seconds=timeout,
-        rendezvous_timeout_seconds=rendezvous_timeout,
-    )

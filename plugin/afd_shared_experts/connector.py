@@ -1,16 +1,26 @@
 """The AFD connector: the transport contract between Attention and FFN ranks (no model
 knowledge) and its torch.distributed point-to-point implementation, ``P2PConnector``.
 
-The messages are ``wire.py``'s, the links, handles and liveness ``transport.py``'s.
+The frames are ``wire.py``'s, the links, handles and liveness ``transport.py``'s.
+
+Per (layer, stage) an Attention rank makes one batched post per link: the work frames to every
+FFN rank on the work link and, at the same moment, the reply receives from every FFN rank on
+the reply link. On the ``direct`` plane nothing in that path reads device data on the host; on
+``staged`` the frames go through host memory anyway, and their row counts are read there to
+send only the valid rows. An FFN rank keeps one work receive posted per Attention rank, reads
+each arrived header on its host and answers with the rows only.
 
 Ordering and lifetime rules:
-1. Payloads are read by the send in stream order (nccl/hccl order a send after the caller's
-   current stream; staged copies wait on one event per batch); a sent tensor is referenced by
-   the connector until its handle reports completion: never freed, reused or mutated in flight.
-2. A received tensor is handed out only once its handle completed (gloo) or once the caller's
+1. A frame is read by its send in stream order (nccl/hccl order a send after the caller's
+   current stream; staged copies wait on one event per batch) and is referenced by the
+   connector until its send completed: never freed, reused or mutated in flight. Frame sets
+   come from a pool and go back once their combine released them and their sends completed.
+2. A received frame is handed out only once its handle completed (gloo) or once the caller's
    current stream waits for it (nccl/hccl).
-3. Replies are paired with dispatches per stage, first in first out; the header's layer,
-   sequence number, stage and row counts must match, otherwise ``PairingError``.
+3. Each link carries one pair's messages in post order, so the i-th reply receive posted to an
+   FFN rank holds that rank's i-th reply, which answers this rank's i-th dispatch (an FFN rank
+   answers every Attention rank in that rank's dispatch order). Replies are handed out per
+   stage, first in first out.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
 
@@ -31,32 +41,41 @@ from .config import DATA_PLANES, DEFAULT_RENDEZVOUS_TIMEOUT_SECONDS, DEFAULT_TIM
 from .device import device_identity, host_buffer, new_process_group, orders_on_stream, resolve_device, to_device, to_host
 from .errors import AFDError, ConnectorClosedError, PairingError, PayloadError, PeerLostError
 from .metrics import RuntimeMetrics
-from .transport import (PROCESS_GROUP_TIMEOUT, WAIT_SLICE_SECONDS, WATCHER_JOIN_SECONDS, Heartbeat, InFlight, Link,
-                        ProcessGroupTransport, Tracked, Transport, choose_data_plane, wait_for_listener)
-from .wire import (BYTE_KINDS, KIND_REPLY, KIND_SHUTDOWN, KIND_WORK, MAGIC, REPLY_HEADER_LEN, TAG_HEADER, TAG_PAYLOAD,
-                   DispatchTicket, FFNPayload, WorkItem, check_stage, decode_work_header, encode_work_header,
-                   work_header_len)
+from .transport import (DEVICE_POLL_SECONDS, PROCESS_GROUP_TIMEOUT, RECV, SEND, WAIT_SLICE_SECONDS, WATCHER_JOIN_SECONDS, Heartbeat,
+                        InFlight, Link, P2POperation, ProcessGroupTransport, StreamOrdered, Transport,
+                        choose_data_plane, wait_for_listener)
+from .wire import (BYTE_KINDS, KIND_SHUTDOWN, ROWS_FIELD, TAG_REPLY, TAG_WORK, DispatchTicket, FFNPayload,
+                   StepCounter, WireLayout, WorkItem, check_stage, unpack_work)
 
 CPU = torch.device("cpu")
+LINKS = ("work", "reply")
 
 
-@dataclass
-class _ExpectedReply:
-    """A reply header receive posted at dispatch, with what the header must say."""
+@dataclass(eq=False)
+class FrameSet:
+    """One dispatch's buffers on the compute device: work frames [F, work_rows, H] (written by
+    the caller) and reply frames [F, reply_capacity, H]; under ``staged`` on an accelerator, their
+    pinned host twins."""
 
+    work: torch.Tensor
+    reply: torch.Tensor
+    work_host: torch.Tensor | None = None
+    reply_host: torch.Tensor | None = None
+    sends: InFlight = field(default_factory=InFlight)
+
+
+@dataclass(eq=False)
+class _Dispatch:
     ticket: DispatchTicket
-    routed_rows: int
-    shared_rows: int
-    handle: Tracked
-    header: torch.Tensor
-
-
-
-# --------------------------------------------------------------------------- contract
+    frames: FrameSet
+    receives: list
+    reply_rows: list[int] | None  # per FFN rank, known on the host under ``staged``
 
 
 class AFDConnector(ABC):
     """Transport contract between Attention and FFN ranks (no model knowledge)."""
+
+    layout: WireLayout
 
     @abstractmethod
     def init(self) -> None: ...
@@ -71,16 +90,23 @@ class AFDConnector(ABC):
 
     # Attention side
     @abstractmethod
-    def dispatch(self, layer: int, stage: int, payloads: list[FFNPayload], *, step: int | None = None,
-                 stages: int = 1) -> DispatchTicket:
-        """Send one (step, layer, stage) to every FFN rank; ``stages`` is how many stages this
-        rank runs in ``step`` (the FFN expects its stages 0..stages-1 of each layer in order).
-        ``step`` None: the connector counts forwards itself (a stage-0 dispatch of a layer not
-        above the previous one's starts the next step: MoE layers run in increasing order)."""
+    def acquire(self) -> FrameSet:
+        """Frames for the next dispatch, free of any send or combine in flight."""
 
     @abstractmethod
-    def receive_replies(self, stage: int) -> tuple[DispatchTicket, list[torch.Tensor]]:
-        """Replies (one per FFN rank) to the oldest pending dispatch of ``stage``."""
+    def dispatch(self, layer: int, stage: int, frames: FrameSet, *, stages: int = 1) -> DispatchTicket:
+        """Send one (layer, stage): ``frames.work[f]`` (header written) to FFN rank f, and post the
+        reply receives into ``frames.reply``. ``stages`` is how many stages this rank runs in
+        this step (the FFN expects its stages 0..stages-1 of each layer in order)."""
+
+    @abstractmethod
+    def receive_replies(self, stage: int) -> tuple[DispatchTicket, FrameSet]:
+        """The oldest pending dispatch of ``stage`` with its replies in ``frames.reply``
+        (readable in the caller's stream order); ``release`` the frames after use."""
+
+    @abstractmethod
+    def release(self, frames: FrameSet) -> None:
+        """Return a dispatch's frames to the pool once its combine has read the replies."""
 
     # FFN side
     @abstractmethod
@@ -94,10 +120,8 @@ class AFDConnector(ABC):
         """Attention ranks that have not shut down."""
 
     @abstractmethod
-    def send_reply(self, item: WorkItem, rows: torch.Tensor, routed_rows: int, shared_rows: int) -> None: ...
-
-
-# --------------------------------------------------------------------------- p2p implementation
+    def send_reply(self, item: WorkItem, rows: torch.Tensor) -> None:
+        """Answer ``item`` (items of one source in arrival order) with its reply rows."""
 
 
 class P2PConnector(AFDConnector):
@@ -110,9 +134,7 @@ class P2PConnector(AFDConnector):
         num_ffn_ranks: int,
         host: str,
         port: int,
-        hidden_size: int,
-        local_experts: int,
-        dtype: torch.dtype,
+        layout: WireLayout,
         device: str | torch.device = "cpu",
         timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
         rendezvous_timeout_seconds: float = DEFAULT_RENDEZVOUS_TIMEOUT_SECONDS,
@@ -128,11 +150,14 @@ class P2PConnector(AFDConnector):
             raise ValueError(f"rank {rank} is not a {role} rank of a {num_attention_ranks}A{num_ffn_ranks}F world")
         if data_plane not in DATA_PLANES:
             raise ValueError(f"data_plane must be one of {', '.join(DATA_PLANES)} (got {data_plane!r})")
+        if layout.num_ffn_ranks != num_ffn_ranks:
+            raise ValueError(f"layout is for {layout.num_ffn_ranks} FFN ranks, the world has {num_ffn_ranks}")
         self.role, self.rank = role, rank
         self.num_attention_ranks, self.num_ffn_ranks = num_attention_ranks, num_ffn_ranks
         self.world_size = world
         self.host, self.port = host, port
-        self.hidden_size, self.local_experts, self.dtype = hidden_size, local_experts, dtype
+        self.layout = layout
+        self.hidden_size, self.dtype = layout.hidden_size, layout.dtype
         self.device = resolve_device(device)
         self.timeout_seconds = timeout_seconds
         self.rendezvous_timeout_seconds = rendezvous_timeout_seconds
@@ -142,34 +167,39 @@ class P2PConnector(AFDConnector):
         self._transport_wrapper = transport_wrapper
         self.sent_bytes = dict.fromkeys(BYTE_KINDS, 0)
         self._store = None
+        self._groups: list = []
         self._links: dict[str, Link] = {}
         self._closed = threading.Event()
         self._initialized = False
         self._failed = False
+        self._lost: PeerLostError | None = None  # set by the heartbeat thread (direct plane)
         self._heartbeat: Heartbeat | None = None
         self._seq = 0
-        self._counted_steps, self._last_layer = 0, None  # forwards counted when callers name no step
-        self._pending: dict[int, deque[DispatchTicket]] = {}
-        self._expected: dict[int, deque[_ExpectedReply]] = {}
-        self._arrived: dict[int, dict[int, tuple[torch.Tensor, object]]] = {}
-        self._sends_in_flight: deque[InFlight] = deque()
-        self._header_recvs: dict[int, tuple[Tracked, torch.Tensor]] = {}
+        self._steps = StepCounter()
+        self._pool: deque[FrameSet] = deque()
+        self._pending: dict[int, deque[_Dispatch]] = {}
+        # FFN side: per Attention rank, its posted work receive and the frames its items hold.
+        self._work_recvs: dict[int, tuple[object, torch.Tensor]] = {}
+        self._held: dict[int, deque[tuple[torch.Tensor, int, int]]] = {}  # (frame, layer, stage)
+        self._free_work: dict[int, list[torch.Tensor]] = {}
+        self._source_steps: dict[int, StepCounter] = {}
+        self._reply_flights: deque[InFlight] = deque()
+        self._reply_frames: list[torch.Tensor] = []  # direct plane: reply frames free for reuse
         self._active_sources: list[int] = []
         self._next_source = 0
         self._wakeup = threading.Event()
 
     @classmethod
-    def from_config(cls, cfg: AFDConfig, *, role: str, rank: int, hidden_size: int, local_experts: int,
-                    dtype: torch.dtype, device: str | torch.device = "cpu", metrics: RuntimeMetrics | None = None,
+    def from_config(cls, cfg: AFDConfig, *, role: str, rank: int, layout: WireLayout, device: str | torch.device = "cpu",
+                    metrics: RuntimeMetrics | None = None,
                     transport_wrapper: Callable[[Transport], Transport] | None = None,
                     data_plane: str | None = None) -> P2PConnector:
         """The connector of world rank ``rank`` for an ``afd`` config; the data plane comes
         from ``data_plane`` or else the config's ``connector_extra_config.data_plane``."""
         return cls(role=role, rank=rank, num_attention_ranks=cfg.num_attention_ranks,
-                   num_ffn_ranks=cfg.num_ffn_ranks, host=cfg.host, port=cfg.port, hidden_size=hidden_size,
-                   local_experts=local_experts, dtype=dtype, device=device, timeout_seconds=cfg.timeout_seconds,
-                   rendezvous_timeout_seconds=cfg.rendezvous_timeout_seconds, data_plane=data_plane or cfg.data_plane, metrics=metrics,
-                   transport_wrapper=transport_wrapper)
+                   num_ffn_ranks=cfg.num_ffn_ranks, host=cfg.host, port=cfg.port, layout=layout, device=device,
+                   timeout_seconds=cfg.timeout_seconds, rendezvous_timeout_seconds=cfg.rendezvous_timeout_seconds,
+                   data_plane=data_plane or cfg.data_plane, metrics=metrics, transport_wrapper=transport_wrapper)
 
     # ------------------------------------------------------------------ lifetime
     @property
@@ -179,6 +209,11 @@ class P2PConnector(AFDConnector):
     @property
     def _staged(self) -> bool:
         return self.data_plane == "staged"
+
+    @property
+    def _host_staging(self) -> bool:
+        """Staged on an accelerator: frames cross host memory through explicit copies."""
+        return self._staged and self.device.type != "cpu"
 
     def init(self) -> None:
         if self._closed.is_set():
@@ -192,14 +227,9 @@ class P2PConnector(AFDConnector):
                                   self._closed)
             self._store = dist.TCPStore(self.host, self.port, self.world_size, self.rank == 0, timeout)
             self.data_plane = self._agree_on_data_plane()
-            data_device = CPU if self._staged else self.device
-            groups = {"work-control": CPU, "reply-control": CPU, "work-data": data_device, "reply-data": data_device}
-            transports = {
-                name: ProcessGroupTransport(new_process_group(
-                    device, dist.PrefixStore(f"afd/{name}", self._store), self.rank, self.world_size,
-                    PROCESS_GROUP_TIMEOUT))
-                for name, device in groups.items()
-            }
+            link_device = CPU if self._staged else self.device
+            self._groups = [new_process_group(link_device, dist.PrefixStore(f"afd/{name}", self._store), self.rank,
+                                              self.world_size, PROCESS_GROUP_TIMEOUT) for name in LINKS]
         except ValueError:
             self._failed = True
             raise
@@ -210,28 +240,47 @@ class P2PConnector(AFDConnector):
                 f"{self.world_size} failed within {self.rendezvous_timeout_seconds}s: {exc}"
             ) from exc
         wrap = self._transport_wrapper or (lambda transport: transport)
-        self._links = {name: Link(name, wrap(transport), on_stream=orders_on_stream(groups[name]), rank=self.rank,
-                                   wakeup=self._wakeup)
-                       for name, transport in transports.items()}
+        self._links = {name: Link(name, wrap(ProcessGroupTransport(group, link_device)),
+                                  on_stream=orders_on_stream(link_device), rank=self.rank, wakeup=self._wakeup)
+                       for name, group in zip(LINKS, self._groups)}
         self._heartbeat = Heartbeat(self.host, self.port, self.rank, self.timeout_seconds)
         if self.role == "ffn":
             self._active_sources = list(range(self.num_attention_ranks))
             for source in self._active_sources:
-                self._post_header_recv(source)
-        else:
-            self._expected = {f: deque() for f in range(self.num_ffn_ranks)}
-            self._arrived = {f: {} for f in range(self.num_ffn_ranks)}
+                self._held[source], self._free_work[source] = deque(), []
+                self._source_steps[source] = StepCounter()
+                self._post_work_recv(source)
+        elif self._links["reply"].on_stream:
+            # Its waits are on the device stream: the heartbeat thread watches the FFN ranks.
+            self._heartbeat.monitor(list(range(self.num_attention_ranks, self.world_size)), self._peer_name,
+                                    self._on_peer_lost)
         self._initialized = True
 
     def _agree_on_data_plane(self) -> str:
-        """Every rank publishes its request and device in the store and applies the same rule
-        to all of them, so both ends of every pair pick the same plane. Bounded like the
-        process groups' rendezvous: by the store (rank 0 waits for every rank to connect)."""
-        self._store.set(f"afd/data-plane/{self.rank}",
-                        json.dumps([self.requested_data_plane, device_identity(self.device)]))
+        """Every rank publishes its request, device and frame layout in the store and applies the
+        same rule to all of them, so both ends of every pair pick the same plane and frame sizes.
+        Bounded like the process groups' rendezvous: by the store (rank 0 waits for every rank)."""
+        self._store.set(f"afd/data-plane/{self.rank}", json.dumps(
+            [self.requested_data_plane, device_identity(self.device), self.layout.describe()]))
         keys = [f"afd/data-plane/{r}" for r in range(self.world_size)]
         self._store.wait(keys, PROCESS_GROUP_TIMEOUT)
-        return choose_data_plane([tuple(json.loads(self._store.get(key))) for key in keys])
+        published = [json.loads(self._store.get(key)) for key in keys]
+        # Everyone has read before anyone may refuse: rank 0 holds the store, and a rank that
+        # reads after it left would see a broken connection instead of the reason.
+        self._store.set(f"afd/data-plane-read/{self.rank}", "1")
+        self._store.wait([f"afd/data-plane-read/{r}" for r in range(self.world_size)], PROCESS_GROUP_TIMEOUT)
+        layouts = {layout for _, _, layout in published}
+        if len(layouts) != 1:
+            raise ValueError("AFD frame layout: every rank of the world must use the same model and "
+                             f"--max-num-batched-tokens (got {' | '.join(sorted(layouts))})")
+        return choose_data_plane([(plane, identity) for plane, identity, _ in published])
+
+    def _on_peer_lost(self, error: PeerLostError) -> None:
+        self._lost, self._failed = error, True
+        for group in self._groups:
+            abort = getattr(group, "abort", None)
+            if abort is not None:
+                abort()  # fails the device receives the stream is waiting on
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -248,22 +297,29 @@ class P2PConnector(AFDConnector):
             link.stop(deadline)
         # Drop pending work and retained tensors (the process groups go with them). Fresh
         # containers, not clear(): a receiver blocked in another thread still iterates the old ones.
-        self._pending, self._expected, self._arrived = {}, {}, {}
-        self._sends_in_flight = deque()
-        self._header_recvs = {}
-        self._links = {}
+        self._pending, self._pool, self._reply_flights, self._reply_frames = {}, deque(), deque(), []
+        self._work_recvs, self._held, self._free_work = {}, {}, {}
+        self._links, self._groups = {}, []
         self._store = None
 
     def _send_shutdown(self) -> None:
-        handles = []
+        layout = self.layout
+        frames = layout.work_frames(self.num_ffn_ranks, CPU)
+        headers = layout.headers(frames)
+        headers.zero_()
+        headers[:, :ROWS_FIELD] = torch.tensor(layout.static_header(KIND_SHUTDOWN, -1, 0, 1, self.rank),
+                                               dtype=torch.int32)
+        rows = layout.header_rows if self._staged else layout.work_rows
+        ops = [P2POperation(SEND, self._on_link_device(frames[f, :rows]), self.num_attention_ranks + f, TAG_WORK)
+               for f in range(self.num_ffn_ranks)]
         try:
-            for f in range(self.num_ffn_ranks):
-                header = encode_work_header(KIND_SHUTDOWN, -1, self._seq, -1, self.rank, self.dtype, self.hidden_size,
-                                            None, self.local_experts)
-                handles.append(self._isend("work-control", header, self.num_attention_ranks + f, TAG_HEADER))
+            handles = self._post("work", ops)
             self._wait(handles, "shutdown notice", peers=[], deadline=time.monotonic() + min(5.0, self.timeout_seconds))
         except AFDError:
             pass  # peers already gone (a send may fail at once): nothing left to notify
+
+    def _on_link_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self._staged else tensor.to(self.device)
 
     def _require_open(self, side: str) -> None:
         if self._closed.is_set():
@@ -272,25 +328,21 @@ class P2PConnector(AFDConnector):
             raise AFDError(f"rank {self.rank}: connector used before init()")
         if self.role != side:
             raise AFDError(f"rank {self.rank}: {side}-side operation on a {self.role} connector")
+        if self._lost is not None:
+            raise self._lost
 
     # ------------------------------------------------------------------ posting and waiting
-    def _isend(self, link: str, tensor: torch.Tensor, dst: int, tag: int):
-        return self._post(self._links[link], "isend", tensor, dst, tag)
-
-    def _irecv(self, link: str, tensor: torch.Tensor, src: int, tag: int):
-        return self._post(self._links[link], "irecv", tensor, src, tag)
-
-    def _post(self, link: Link, operation: str, tensor: torch.Tensor, peer: int, tag: int):
+    def _post(self, link: str, ops: list[P2POperation]) -> list:
         try:
-            handle = getattr(link.transport, operation)(tensor, peer, tag)
+            return self._links[link].post(ops)
         except Exception as exc:  # e.g. the pair was closed by a dead peer
             self._failed = True
-            raise PeerLostError(f"rank {self.rank}: connection to {self._peer_name(peer)} failed: {exc}") from exc
-        return link.track(handle, peer)
+            names = ", ".join(sorted({self._peer_name(op.peer) for op in ops}))
+            raise PeerLostError(f"rank {self.rank}: connection to {names} failed: {exc}") from exc
 
     def _wait(self, handles: list, what: str, *, peers: list[int], deadline: float | None) -> None:
-        """Wait until every handle completes; close() unblocks us and a lost peer surfaces
-        as an error within the timeout."""
+        """Wait on the host until every handle completes; close() unblocks us and a lost peer
+        surfaces as an error within the timeout."""
         for handle in handles:
             while not handle.ready(WAIT_SLICE_SECONDS):
                 self._check_progress(what, peers, deadline)
@@ -317,159 +369,118 @@ class P2PConnector(AFDConnector):
             names = ", ".join(self._peer_name(p) for p in peers) or "a peer"
             raise PeerLostError(f"rank {self.rank}: connection to {names} failed during {what}: {exc}") from exc
 
-    def _outgoing(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Payload tensors as the data plane sends them: host copies when staged."""
-        return to_host(tensors) if self._staged else [t.contiguous() for t in tensors]
-
-    def _post_payload_recv(self, link: str, rows: int, peer: int) -> tuple[torch.Tensor, object]:
-        """A payload receive, posted only once a header announced it (an idle rank never has
-        a device receive pending); no receive at all for zero rows."""
-        shape = (rows, self.hidden_size)
-        buffer = host_buffer(shape, self.dtype, self.device) if self._staged else \
-            torch.empty(shape, dtype=self.dtype, device=self.device)
-        return buffer, (self._irecv(link, buffer, peer, TAG_PAYLOAD) if rows else None)
-
-    def _received(self, buffer: torch.Tensor, handle, what: str, peer: int) -> torch.Tensor:
-        if handle is not None:
-            self._wait([handle], what, peers=[peer], deadline=time.monotonic() + self.timeout_seconds)
-        return to_device(buffer, self.device) if self._staged else buffer
-
-    def _reap_sends(self) -> None:
-        while self._sends_in_flight and self._sends_in_flight[0].done():
-            for handle in self._sends_in_flight[0].handles:
-                self._finish(handle, "send", [handle.peer])
-            self._sends_in_flight.popleft()
-
-    def sends_in_flight(self) -> int:
-        return len(self._sends_in_flight)
-
     def _peer_name(self, rank: int) -> str:
         if rank < self.num_attention_ranks:
             return f"Attention rank {rank}"
         return f"FFN rank {rank - self.num_attention_ranks} (world rank {rank})"
 
-    def _count(self, kind: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
+    def _count(self, kind: str, nbytes: int) -> None:
         self.sent_bytes[kind] += nbytes
         if self.metrics is not None:
             self.metrics.sent_bytes.labels(kind=kind).inc(nbytes)
 
     # ------------------------------------------------------------------ Attention side
-    def dispatch(self, layer: int, stage: int, payloads: list[FFNPayload], *, step: int | None = None,
-                 stages: int = 1) -> DispatchTicket:
+    def acquire(self) -> FrameSet:
+        self._require_open("attention")
+        if self._pool and self._pool[0].sends.done():
+            frames = self._pool.popleft()
+            frames.sends = InFlight()
+            return frames
+        layout, ranks = self.layout, self.num_ffn_ranks
+        frames = FrameSet(work=layout.work_frames(ranks, self.device), reply=layout.reply_frames(ranks, self.device))
+        if self._host_staging:
+            frames.work_host = host_buffer(frames.work.shape, layout.dtype, self.device)
+            frames.reply_host = host_buffer(frames.reply.shape, layout.dtype, self.device)
+        return frames
+
+    def release(self, frames: FrameSet) -> None:
+        self._pool.append(frames)
+
+    def dispatch(self, layer: int, stage: int, frames: FrameSet, *, stages: int = 1) -> DispatchTicket:
         self._require_open("attention")
         check_stage(stage, stages, what=f"rank {self.rank}: dispatch of layer {layer}")
-        if step is not None and step < 0:
-            raise PayloadError(f"rank {self.rank}: dispatch of layer {layer}: step must be >= 0 (got {step})")
-        if len(payloads) != self.num_ffn_ranks:
-            raise ValueError(f"dispatch needs one payload per FFN rank ({self.num_ffn_ranks}), got {len(payloads)}")
-        for f, payload in enumerate(payloads):
-            if payload.rows.shape != (payload.routed_rows + payload.shared_extra, self.hidden_size):
-                raise PayloadError(f"payload for FFN rank {f}: rows shape {tuple(payload.rows.shape)} does not match "
-                                   f"its counts ({payload.routed_rows} routed + {payload.shared_extra} extra shared)")
-        ticket = DispatchTicket(layer=layer, seq=self._seq, stage=stage,
-                                step=self._counted_step(layer, stage) if step is None else step)
+        layout, first_ffn = self.layout, self.num_attention_ranks
+        ticket = DispatchTicket(layer=layer, seq=self._seq, stage=stage, step=self._steps.advance(layer, stage))
         self._seq += 1
-        sends = InFlight()
-        for f, (payload, rows) in enumerate(zip(payloads, self._outgoing([p.rows for p in payloads]))):
-            dst = self.num_attention_ranks + f
-            header = encode_work_header(KIND_WORK, layer, ticket.seq, stage, self.rank, self.dtype, self.hidden_size,
-                                        payload, self.local_experts, step=ticket.step, stages=stages)
-            sends.add(self._isend("work-control", header, dst, TAG_HEADER), header)
-            self._count("headers", header)
-            if rows.shape[0]:
-                sends.add(self._isend("work-data", rows, dst, TAG_PAYLOAD), rows)
-                self._count("routed_rows", rows[: payload.routed_rows])
-                self._count("shared_rows", rows[payload.routed_rows:])
-            # The reply header receive waits on the reply group, which carries no send of ours.
-            reply_header = torch.empty(REPLY_HEADER_LEN, dtype=torch.int64)
-            self._expected[f].append(_ExpectedReply(
-                ticket, payload.routed_rows, payload.shared_rows,
-                self._irecv("reply-control", reply_header, dst, TAG_HEADER), reply_header))
-        self._sends_in_flight.append(sends)
-        self._pending.setdefault(stage, deque()).append(ticket)
+        ffn_ranks = range(self.num_ffn_ranks)
+        if self._staged:
+            # The frames go through host memory: their row counts are read there, once per dispatch.
+            headers = layout.headers(frames.work)
+            if frames.work_host is not None:
+                headers = headers.cpu()
+            rows, shared = torch.stack([headers[:, ROWS_FIELD].long(), headers[:, -layout.local_experts:].sum(1)]).tolist()
+            sends = [frames.work[f, :layout.header_rows + rows[f]] for f in ffn_ranks]
+            if frames.work_host is not None:
+                sends = to_host(sends, [frames.work_host[f, :len(send)] for f, send in enumerate(sends)])
+            reply_rows = [rows[f] + shared[f] for f in ffn_ranks]  # an extra shared row comes back once
+            reply = frames.reply if frames.reply_host is None else frames.reply_host
+        else:
+            sends, reply_rows, reply = list(frames.work), None, frames.reply
+        send_handles = self._post("work", [P2POperation(SEND, sends[f], first_ffn + f, TAG_WORK) for f in ffn_ranks])
+        receives = self._post("reply", [P2POperation(RECV, reply[f], first_ffn + f, TAG_REPLY) for f in ffn_ranks])
+        for handle, tensor in zip(send_handles, sends):
+            frames.sends.add(handle, tensor)
+            self._count("work", tensor.numel() * tensor.element_size())
+        self._pending.setdefault(stage, deque()).append(_Dispatch(ticket, frames, receives, reply_rows))
         return ticket
 
-    def _counted_step(self, layer: int, stage: int) -> int:
-        if stage == 0:
-            if self._last_layer is not None and layer <= self._last_layer:
-                self._counted_steps += 1
-            self._last_layer = layer
-        return self._counted_steps
-
-    def receive_replies(self, stage: int) -> tuple[DispatchTicket, list[torch.Tensor]]:
+    def receive_replies(self, stage: int) -> tuple[DispatchTicket, FrameSet]:
         self._require_open("attention")
         queue_ = self._pending.get(stage)
         if not queue_:
             raise PairingError(f"rank {self.rank}: receive_replies(stage={stage}) without a pending dispatch")
-        ticket = queue_[0]
+        pending = queue_.popleft()
         started = time.monotonic()
-        deadline = started + self.timeout_seconds
-        replies = [self._reply(f, ticket, deadline) for f in range(self.num_ffn_ranks)]
-        queue_.popleft()
-        self._reap_sends()  # sent buffers are released only once their sends are complete
+        peers = [self.num_attention_ranks + f for f in range(self.num_ffn_ranks)]
+        what = f"reply to layer {pending.ticket.layer} stage {stage}"
+        if isinstance(pending.receives[0], StreamOrdered):
+            for handle, peer in zip(pending.receives, peers):
+                self._finish(handle, what, [peer])  # the stream waits; the host runs on
+        else:
+            self._wait(pending.receives, what, peers=peers, deadline=started + self.timeout_seconds)
+        frames = pending.frames
+        if frames.reply_host is not None:
+            for f, rows in enumerate(pending.reply_rows):
+                to_device(frames.reply_host[f, :rows], self.device, out=frames.reply[f, :rows], reuse_host=True)
         if self.metrics is not None:
             self.metrics.attention_reply_wait.observe(time.monotonic() - started)
-        return ticket, replies
-
-    def _reply(self, f: int, ticket: DispatchTicket, deadline: float) -> torch.Tensor:
-        """FFN rank f's reply to ``ticket``. An FFN rank answers one Attention rank in dispatch
-        order, so earlier replies (other stages) are taken first and kept: their payload
-        receives are posted in the order the FFN rank sends them."""
-        peer = self.num_attention_ranks + f
-        arrived = self._arrived[f]
-        while ticket.seq not in arrived:
-            expected = self._expected[f].popleft()
-            self._wait([expected.handle], f"reply to layer {expected.ticket.layer} seq {expected.ticket.seq}",
-                       peers=[peer], deadline=deadline)
-            self._check_reply_header(expected, peer)
-            arrived[expected.ticket.seq] = self._post_payload_recv(
-                "reply-data", expected.routed_rows + expected.shared_rows, peer)
-        buffer, handle = arrived.pop(ticket.seq)
-        return self._received(buffer, handle, f"reply payload of seq {ticket.seq}", peer)
-
-    def _check_reply_header(self, expected: _ExpectedReply, peer: int) -> None:
-        ticket = expected.ticket
-        got = expected.header.tolist()
-        want = [MAGIC, KIND_REPLY, ticket.layer, ticket.seq, ticket.stage, peer, expected.routed_rows,
-                expected.shared_rows]
-        if got != want:
-            self._failed = True
-            raise PairingError(
-                f"rank {self.rank}: reply from {self._peer_name(peer)} does not match the oldest pending dispatch "
-                f"of stage {ticket.stage}: expected [magic, kind, layer, seq, stage, source, routed, shared] = "
-                f"{want}, got {got}"
-            )
+        return pending.ticket, frames
 
     def pending_dispatches(self) -> int:
         return sum(len(q) for q in self._pending.values())
 
     # ------------------------------------------------------------------ FFN side
-    def _post_header_recv(self, source: int) -> None:
-        header = torch.empty(work_header_len(self.local_experts), dtype=torch.int64)
-        self._header_recvs[source] = (self._irecv("work-control", header, source, TAG_HEADER), header)
+    def _post_work_recv(self, source: int) -> None:
+        free = self._free_work[source]
+        if free:
+            frame = free.pop()
+        else:
+            device = CPU if self._staged else self.device
+            frame = host_buffer((self.layout.work_rows, self.hidden_size), self.dtype, self.device) \
+                if self._host_staging else self.layout.work_frames(1, device)[0]
+        (handle,) = self._post("work", [P2POperation(RECV, frame, source, TAG_WORK)])
+        self._work_recvs[source] = (handle, frame)
 
     def active_sources(self) -> list[int]:
         return list(self._active_sources)
 
     def receive_work(self, timeout: float | None = None) -> WorkItem | None:
         self._require_open("ffn")
-        self._reap_sends()
+        self._reap_replies()
         started = time.monotonic()
         while True:
             if not self._active_sources:
                 return None
             self._wakeup.clear()
-            # Serve whichever Attention rank's header arrived, rotating the start for fairness.
-            header_recvs = self._header_recvs
+            # Serve whichever Attention rank's frame arrived, rotating the start for fairness.
             count = len(self._active_sources)
             for offset in range(count):
                 source = self._active_sources[(self._next_source + offset) % count]
-                handle, header = header_recvs[source]
+                handle, frame = self._work_recvs[source]
                 if handle.is_completed():
-                    self._finish(handle, "work header", [source])
+                    self._finish(handle, "work frame", [source])
                     self._next_source = (self._next_source + offset + 1) % count
-                    item = self._take_work(source, header)
+                    item = self._take_work(source, frame)
                     if item is not None and self.metrics is not None:
                         self.metrics.ffn_work_wait.observe(time.monotonic() - started)
                     return item  # None: the source shut down
@@ -477,37 +488,59 @@ class P2PConnector(AFDConnector):
             waited = time.monotonic() - started
             if timeout is not None and waited >= timeout:
                 return None
-            self._wakeup.wait(WAIT_SLICE_SECONDS if timeout is None else min(WAIT_SLICE_SECONDS, timeout - waited))
+            slice_ = WAIT_SLICE_SECONDS if timeout is None else min(WAIT_SLICE_SECONDS, timeout - waited)
+            if self._links["work"].on_stream:
+                time.sleep(min(slice_, DEVICE_POLL_SECONDS))  # device works signal no host event: poll
+            else:
+                self._wakeup.wait(slice_)
 
-    def _take_work(self, source: int, header: torch.Tensor) -> WorkItem | None:
-        work = decode_work_header(header, source=source, dtype=self.dtype, hidden=self.hidden_size,
-                                  local_experts=self.local_experts)
+    def _take_work(self, source: int, frame: torch.Tensor) -> WorkItem | None:
+        work, rows = unpack_work(frame, self.layout, source=source)  # the FFN side reads headers on its host
         if work.kind == KIND_SHUTDOWN:
             self._active_sources.remove(source)
-            del self._header_recvs[source]
+            del self._work_recvs[source]
             return None
-        buffer, handle = self._post_payload_recv("work-data", sum(work.routed_counts) + work.shared_extra, source)
-        # The next header receive is posted after the payload receive: the order the peer sends in.
-        self._post_header_recv(source)
-        rows = self._received(buffer, handle, f"work payload from Attention rank {source}", source)
-        return WorkItem(source=source, layer=work.layer, seq=work.seq, stage=work.stage, step=work.step,
-                        stages=work.stages,
+        if self._host_staging:
+            rows = to_device(rows, self.device, reuse_host=True)
+        self._held[source].append((frame, work.layer, work.stage))
+        # The next receive is posted at once: the sender may already be sending it.
+        self._post_work_recv(source)
+        return WorkItem(source=source, layer=work.layer, stage=work.stage, stages=work.stages,
+                        step=self._source_steps[source].advance(work.layer, work.stage),
                         payload=FFNPayload(rows=rows, routed_counts=work.routed_counts,
                                            shared_prefix=work.shared_prefix, shared_extra=work.shared_extra))
 
-    def send_reply(self, item: WorkItem, rows: torch.Tensor, routed_rows: int, shared_rows: int) -> None:
+    def send_reply(self, item: WorkItem, rows: torch.Tensor) -> None:
         self._require_open("ffn")
-        if rows.shape != (routed_rows + shared_rows, self.hidden_size):
-            raise PayloadError(f"reply rows shape {tuple(rows.shape)} must be ({routed_rows + shared_rows}, "
-                               f"{self.hidden_size})")
-        header = torch.tensor([MAGIC, KIND_REPLY, item.layer, item.seq, item.stage, self.rank, routed_rows,
-                               shared_rows], dtype=torch.int64)
+        expected = item.payload.routed_rows + item.payload.shared_rows
+        if rows.shape != (expected, self.hidden_size):
+            raise PayloadError(f"reply rows shape {tuple(rows.shape)} must be ({expected}, {self.hidden_size})")
+        held = self._held.get(item.source)
+        if not held or held[0][1:] != (item.layer, item.stage):
+            oldest = f"layer {held[0][1]} stage {held[0][2]}" if held else "none"
+            raise PairingError(f"rank {self.rank}: reply to Attention rank {item.source} for layer {item.layer} stage "
+                               f"{item.stage}, but its oldest unanswered work item is {oldest} (replies go out in "
+                               "each Attention rank's dispatch order)")
+        self._free_work[item.source].append(held.popleft()[0])  # its rows were read to compute ``rows``
+        if self._staged:
+            (message,) = to_host([rows])
+        else:  # nccl/hccl receive exactly what is sent: the whole reply frame
+            message = self._reply_frames.pop() if self._reply_frames else self.layout.reply_frames(1, self.device)[0]
+            message[:expected] = rows
+        (handle,) = self._post("reply", [P2POperation(SEND, message, item.source, TAG_REPLY)])
         flight = InFlight()
-        flight.add(self._isend("reply-control", header, item.source, TAG_HEADER), header)
-        self._count("headers", header)
-        if rows.shape[0]:
-            (rows,) = self._outgoing([rows])
-            flight.add(self._isend("reply-data", rows, item.source, TAG_PAYLOAD), rows)
-            self._count("replies", rows)
-        self._sends_in_flight.append(flight)
-        self._reap_sends()
+        flight.add(handle, message)
+        self._reply_flights.append(flight)
+        self._count("replies", message.numel() * message.element_size())
+        self._reap_replies()
+
+    def _reap_replies(self) -> None:
+        while self._reply_flights and self._reply_flights[0].done():
+            flight = self._reply_flights.popleft()
+            for handle in flight.handles:
+                self._finish(handle, "reply send", [handle.peer])
+            if not self._staged:
+                self._reply_frames.extend(flight.tensors)
+
+    def sends_in_flight(self) -> int:
+        return len(self._reply_flights) + sum(not frames.sends.done() for frames in self._pool)

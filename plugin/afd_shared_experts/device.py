@@ -50,6 +50,15 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return device
 
 
+def select_device(device: torch.device) -> None:
+    """Make ``device`` this process's current accelerator device: the backends' communicators,
+    streams and vLLM's layers use the current device, which is index 0 until a rank selects
+    its own (an FFN rank with local index 1 would otherwise run on device 0). torch_npu
+    registers the NPU as torch's accelerator, so one call serves cuda and npu."""
+    if device.type != "cpu" and device.index is not None:
+        torch.accelerator.set_device_index(device.index)
+
+
 def new_process_group(device: torch.device, store: dist.Store, rank: int, world_size: int, timeout: timedelta):
     """A process group of the AFD world for tensors on ``device`` (gloo for ``cpu``),
     separate from the caller's default group."""
@@ -109,14 +118,15 @@ def sync_debug_mode(device: torch.device, mode: int | str):
 # --------------------------------------------------------------------------- host staging
 
 
-def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Contiguous host copies of device tensors for a gloo send (the tensors themselves on CPU).
+def to_host(tensors: list[torch.Tensor], out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Contiguous host copies of device tensors for a gloo send (the tensors themselves on CPU),
+    into ``out`` when given (pinned buffers of the same shapes).
 
     The copies go to pinned memory without blocking, then one event waits for all of them:
     one host wait per batch of payloads, not one per tensor."""
     if not tensors or tensors[0].device.type == "cpu":
         return [t.contiguous() for t in tensors]
-    copies = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    copies = out if out is not None else [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
     for copy, tensor in zip(copies, tensors):
         copy.copy_(tensor, non_blocking=True)
     event = torch.Event(device=tensors[0].device)
@@ -131,9 +141,16 @@ def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.empty(shape, dtype=dtype, pin_memory=device.type != "cpu")
 
 
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A received host buffer on ``device``: an asynchronous copy ordered on the current stream
-    (the pinned host block stays reserved by the allocator until the copy is done)."""
+def to_device(host: torch.Tensor, device: torch.device, *, out: torch.Tensor | None = None,
+              reuse_host: bool = False) -> torch.Tensor:
+    """A received host buffer on ``device`` (into ``out`` when given): an asynchronous copy
+    ordered on the current stream. ``reuse_host``: the caller writes the host buffer again soon
+    (a gloo receive from another thread, outside stream order), so the copy is waited for."""
     if device.type == "cpu":
-        return host
-    return host.to(device, non_blocking=True)
+        return host if out is None else out.copy_(host)
+    copy = host.to(device, non_blocking=True) if out is None else out.copy_(host, non_blocking=True)
+    if reuse_host:
+        event = torch.Event(device=device)
+        event.record()
+        event.synchronize()
+    return copy

@@ -248,8 +248,8 @@ class FFNRuntime:
                 rows = sum(item.payload.rows.shape[0] for item in group)  # as the dispatches sent them
                 trace.record("expert_pass", started[0], wall_ns=started[1], rows=rows, peers=len(group), **where)
                 started = clocks()
-            for item, (rows, routed_rows, shared_rows) in zip(group, replies):
-                self.connector.send_reply(item, rows, routed_rows, shared_rows)
+            for item, (rows, _, _) in zip(group, replies):
+                self.connector.send_reply(item, rows)
             if trace is not None:
                 trace.record("reply", started[0], wall_ns=started[1], rows=0, peers=len(group), **where)
 

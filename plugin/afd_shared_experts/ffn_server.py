@@ -34,12 +34,14 @@ import torch
 
 from .config import AFDConfig, AFDConfigError, parse_afd_config
 from .connector import P2PConnector
+from .device import resolve_device, select_device
 from .errors import AFDError, ConnectorClosedError
 from .ffn_runtime import FFNRuntime, LayerExperts, torch_experts
 from .ffn_supervisor import READY_LINE, STARTED_LINE, supervise
 from .metrics import RuntimeMetrics
 from .model import DTYPES, CheckpointError, load_ffn_weights, load_spec
 from .roles import ffn_world_ranks
+from .wire import WireLayout
 
 logger = logging.getLogger("afd_shared_experts.ffn_server")
 
@@ -177,14 +179,15 @@ class FFNServer:
         cfg.validate_for_model(spec.num_routed_experts)
         dtype = resolve_dtype(args.dtype, args.model)
         device = resolve_device_name(args.device)
+        select_device(resolve_device(device))
         ffn_index = args.ffn_rank_start
         started = time.monotonic()
         experts = self._load_experts(spec, ffn_index, dtype, device)
         logger.info("FFN rank %d: loaded %d MoE layers in %.1fs (placement %s, %s expert backend, device %s)",
                     ffn_index, len(spec.moe_layers), time.monotonic() - started, cfg.shared_experts.placement,
                     self.expert_backend, device)
-        connector = self._connect(self.world_rank, spec.hidden_size, spec.local_experts(cfg.num_ffn_ranks), dtype,
-                                  device)
+        layout = WireLayout.for_world(spec, cfg, dtype=dtype, token_budget=args.max_num_batched_tokens)
+        connector = self._connect(self.world_rank, layout, device)
         if connector is None:
             return
         self.runtime = FFNRuntime(connector, experts, self.metrics).start()
@@ -202,14 +205,13 @@ class FFNServer:
         return torch_experts(load_ffn_weights(args.model, spec, placement, ffn_index, cfg.num_ffn_ranks, dtype,
                                               device))
 
-    def _connect(self, world_rank: int, hidden: int, local_experts: int, dtype: torch.dtype, device: str):
+    def _connect(self, world_rank: int, layout: WireLayout, device: str):
         """Rendezvous, retried until the Attention ranks are up or the server is stopped. Each
         attempt is bounded by the liveness timeout, not the rendezvous one, so a server waiting
         for its Attention ranks logs that it is still waiting."""
         cfg = replace(self.cfg, rendezvous_timeout_seconds=self.cfg.timeout_seconds)
         while not self.stopping.is_set():
-            connector = P2PConnector.from_config(cfg, role="ffn", rank=world_rank, hidden_size=hidden,
-                                                 local_experts=local_experts, dtype=dtype, device=device,
+            connector = P2PConnector.from_config(cfg, role="ffn", rank=world_rank, layout=layout, device=device,
                                                  metrics=self.metrics)
             try:
                 connector.init()

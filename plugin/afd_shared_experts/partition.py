@@ -9,9 +9,18 @@ from __future__ import annotations
 import torch
 
 
-def contiguous_ranges(num_tokens: int, num_ffn_ranks: int) -> list[tuple[int, int]]:
-    """Rank r takes tokens [r*N//F, (r+1)*N//F)."""
-    return [(r * num_tokens // num_ffn_ranks, (r + 1) * num_tokens // num_ffn_ranks) for r in range(num_ffn_ranks)]
+def contiguous_assignment(num_tokens: int, num_ffn_ranks: int, device: torch.device | str = "cpu"
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank r takes tokens [r*N//F, (r+1)*N//F): each token's rank, its index within that range,
+    and every rank's range size, as tensors on ``device`` (no host sync). Token t's rank is the
+    largest r with r*N//F <= t, which is ((t+1)*F - 1) // N."""
+    tokens = torch.arange(num_tokens, device=device)
+    ranks = torch.arange(num_ffn_ranks, device=device)
+    sizes = (ranks + 1) * num_tokens // num_ffn_ranks - ranks * num_tokens // num_ffn_ranks
+    if not num_tokens:
+        return tokens, tokens, sizes
+    token_rank = ((tokens + 1) * num_ffn_ranks - 1) // num_tokens
+    return token_rank, tokens - token_rank * num_tokens // num_ffn_ranks, sizes
 
 
 def affinity_assignment(topk_ids: torch.Tensor, experts_per_rank: int, num_ffn_ranks: int) -> torch.Tensor:

@@ -10,8 +10,8 @@ units (under float16 the runtime keeps vLLM's 1/r-scaled residual convention; th
 multiplies by r when writing so every dtype is comparable with the model's definition).
 Every rank loads its weights and inputs onto ``--device`` (all ranks on that one device), so
 on an accelerator the connector's data plane is ``staged``. On CUDA each Attention rank runs
-its forward under ``torch.cuda.set_sync_debug_mode("error")``: only the row-count read
-(``attention.host_row_counts``) and the connector's calls (staged host<->device copies) may sync.
+its forward under ``torch.cuda.set_sync_debug_mode("error")``: only the connector's calls may
+sync (the staged plane's host<->device copies); dispatch and combine themselves never do.
 Exit status 0 on success, 1 on any failure (message on stderr), 2 on bad arguments.
 """
 
@@ -33,12 +33,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from . import attention
 from .attention import AttentionMoELayer, RemoteMoE
-from .config import DATA_PLANES, AFDConfigError, AFDConfig
+from .config import DATA_PLANES, AFDConfig, AFDConfigError, SharedExpertsConfig
 from .connector import P2PConnector
-from .wire import BYTE_KINDS
-from .device import resolve_device, sync_debug_mode
+from .wire import BYTE_KINDS, WireLayout
+from .device import resolve_device, select_device, sync_debug_mode
 from .errors import DeviceUnavailableError
 from .ffn_runtime import FFNRuntime, torch_experts
 from .model import DTYPES, load_attention_weights, load_ffn_weights, load_spec
@@ -67,6 +66,7 @@ class RunSpec:
     host: str = "127.0.0.1"
     port: int = 0
     timeout_seconds: float = 60.0
+    max_tokens: int = 0  # tokens of the largest Attention rank's share (set from the inputs)
 
 
 @dataclass
@@ -77,7 +77,6 @@ class AttentionResult:
     sent_bytes: dict[str, int]
     parameter_bytes: int
     data_plane: str
-    row_count_syncs: dict[int, list[int]]  # layer -> host_row_counts calls in each step
 
 
 @dataclass
@@ -104,8 +103,9 @@ def token_range(rank: int, num_tokens: int, attention_ranks: int) -> tuple[int, 
 def rank_connector(run: RunSpec, role: str, rank: int, spec, dtype: torch.dtype) -> P2PConnector:
     cfg = AFDConfig(role=role, num_attention_ranks=run.attention_ranks, num_ffn_ranks=run.ffn_ranks, host=run.host,
                     port=run.port, timeout_seconds=run.timeout_seconds, rendezvous_timeout_seconds=run.timeout_seconds)
-    return P2PConnector.from_config(cfg, role=role, rank=rank, hidden_size=spec.hidden_size,
-                                    local_experts=spec.local_experts(run.ffn_ranks), dtype=dtype, device=run.device,
+    layout = WireLayout.for_world(spec, replace(cfg, shared_experts=SharedExpertsConfig(run.placement, run.partition)),
+                                  dtype=dtype, token_budget=max(run.max_tokens, 1))
+    return P2PConnector.from_config(cfg, role=role, rank=rank, layout=layout, device=run.device,
                                     data_plane=run.data_plane)
 
 
@@ -129,18 +129,6 @@ class _SyncsAllowed:
             return self.connector.receive_replies(*args, **kwargs)
 
 
-class _CountedRowCountReads:
-    """``attention.host_row_counts`` for one Attention rank: counted, and allowed to sync."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.calls = device, 0
-
-    def __call__(self, counts: torch.Tensor):
-        self.calls += 1
-        with sync_debug_mode(self.device, 0):
-            return attention.host_row_counts(counts)
-
-
 def run_attention_rank(run: RunSpec, rank: int, hidden_states: torch.Tensor) -> AttentionResult:
     """One Attention rank's layers on ``run.device``; each forward under sync-debug mode
     "error" on CUDA (process-wide: one such rank per process there). Outputs come back on
@@ -149,30 +137,26 @@ def run_attention_rank(run: RunSpec, rank: int, hidden_states: torch.Tensor) -> 
     spec = load_spec(run.model_dir)
     dtype = DTYPES[run.dtype]
     device = resolve_device(run.device)
+    select_device(device)
     weights = load_attention_weights(run.model_dir, spec, run.placement, dtype, device)
     hidden_states = hidden_states.to(device)
     connector = rank_connector(run, "attention", rank, spec, dtype)
-    row_count_reads = _CountedRowCountReads(device)
     try:
         connector.init()
         layers = {
             l: AttentionMoELayer(w.gate, RemoteMoE(spec=spec, layer=l, connector=_SyncsAllowed(connector),
                                                    num_ffn_ranks=run.ffn_ranks, placement=run.placement,
-                                                   partition=run.partition, dtype=dtype, shared=w.shared,
-                                                   read_row_counts=row_count_reads))
+                                                   partition=run.partition, dtype=dtype, shared=w.shared))
             for l, w in weights.items()
         }
         first: dict[int, torch.Tensor] = {}
         step_seconds = []
-        row_count_syncs: dict[int, list[int]] = {l: [] for l in layers}
         for step in range(run.steps):
             started = time.perf_counter()
             outputs = {}
             for l, layer in layers.items():
-                before = row_count_reads.calls
                 with sync_debug_mode(device, "error"):
                     outputs[l] = layer.forward(hidden_states)
-                row_count_syncs[l].append(row_count_reads.calls - before)
             torch.get_device_module(device).synchronize(device)  # the step's device work is in its time
             step_seconds.append(time.perf_counter() - started)
             for l, out in outputs.items():
@@ -186,7 +170,7 @@ def run_attention_rank(run: RunSpec, rank: int, hidden_states: torch.Tensor) -> 
                     raise SelfCheckError(f"Attention rank {rank}: layer {l} output of step {step} differs from step 0")
         return AttentionResult(rank=rank, outputs=first, step_seconds=step_seconds, sent_bytes=dict(connector.sent_bytes),
                                parameter_bytes=sum(w.parameter_bytes() for w in weights.values()),
-                               data_plane=connector.data_plane, row_count_syncs=row_count_syncs)
+                               data_plane=connector.data_plane)
     finally:
         connector.close()
 
@@ -195,8 +179,9 @@ def run_ffn_rank(run: RunSpec, index: int) -> FFNResult:
     torch.set_num_threads(1)
     spec = load_spec(run.model_dir)
     dtype = DTYPES[run.dtype]
-    weights = load_ffn_weights(run.model_dir, spec, run.placement, index, run.ffn_ranks, dtype,
-                               resolve_device(run.device))
+    device = resolve_device(run.device)
+    select_device(device)
+    weights = load_ffn_weights(run.model_dir, spec, run.placement, index, run.ffn_ranks, dtype, device)
     connector = rank_connector(run, "ffn", run.attention_ranks + index, spec, dtype)
     try:
         connector.init()
@@ -292,6 +277,8 @@ def run_topologies(runs: list[RunSpec], hidden_states: torch.Tensor) -> list[Run
     runs = [replace(run, port=run.port or next(picked)) for run in runs]
     attention_ranks, ffn_ranks = runs[0].attention_ranks, runs[0].ffn_ranks
     num_tokens = hidden_states.shape[0]
+    share = max(hi - lo for lo, hi in (token_range(a, num_tokens, attention_ranks) for a in range(attention_ranks)))
+    runs = [replace(run, max_tokens=run.max_tokens or share) for run in runs]
     jobs = [("attention", a, hidden_states[slice(*token_range(a, num_tokens, attention_ranks))].clone())
             for a in range(attention_ranks)]
     jobs += [("ffn", f, None) for f in range(ffn_ranks)]
@@ -345,12 +332,6 @@ def _run_result(run: RunSpec, spec, num_tokens: int, attention: list[AttentionRe
     planes = {r.data_plane for r in attention + ffn}
     if len(planes) != 1:
         raise SelfCheckError(f"the ranks ran different data planes: {sorted(planes)}")
-    for r in attention:
-        for layer, per_step in r.row_count_syncs.items():
-            for step, calls in enumerate(per_step):
-                if calls != 1:
-                    raise SelfCheckError(f"Attention rank {r.rank}: layer {layer} step {step} read the row counts "
-                                         f"on the host {calls} times (expected exactly once)")
     scale = spec.routed_scaling_factor if run.dtype == "float16" else 1.0
     outputs = {}
     for layer in spec.moe_layers:
@@ -363,7 +344,6 @@ def _run_result(run: RunSpec, spec, num_tokens: int, attention: list[AttentionRe
         "tokens": num_tokens,
         "run": {k: v for k, v in asdict(run).items() if k not in ("host", "port")},
         "data_plane": planes.pop(),
-        "row_count_syncs_per_layer_step": sorted({n for r in attention for s in r.row_count_syncs.values() for n in s}),
         "bytes_by_kind": bytes_by_kind,
         "shared_tokens_per_ffn_rank": [r.shared_tokens for r in ffn],
         "zero_token_replies": {k: sum(r.zero_token_replies[k] for r in ffn) for k in ("routed", "shared")},

@@ -1,15 +1,13 @@
-"""Transport of the AFD connector: process-group links, completion tracking, rendezvous and
-liveness. No message format (``wire.py``) and no pairing (``connector.py``) here.
+"""Transport of the AFD connector: process-group links, batched posting, completion tracking,
+rendezvous and liveness. No message format (``wire.py``) and no pairing (``connector.py``) here.
 
-Where it runs (docs/plugin-runtime.md, "Connector"):
-- Control plane: headers go over gloo (CPU tensors) on two process groups, one per direction
-  (work: Attention -> FFN, reply: FFN -> Attention). An idle FFN rank waits there, on the
-  host, never on a device receive.
-- Data plane: ``direct`` puts payloads on two more process groups of the device's backend
-  (nccl/hccl; gloo on CPU), again one per direction; ``staged`` puts them on two gloo groups
-  with explicit device <-> host copies (CPU, or several ranks on one device).
-On every process group one side of each pair only sends and the other only receives, in the
-same order, so execution in post order per pair (HCCL/NCCL, tags ignored) cannot deadlock.
+Two links, one per direction, each a process group of its own (docs/plugin-runtime.md,
+"Connector"): ``work`` (Attention -> FFN) and ``reply`` (FFN -> Attention). On the ``direct``
+data plane they are groups of the device's backend (nccl/hccl; gloo on CPU) carrying device
+tensors; on ``staged`` they are gloo groups carrying host copies (CPU, or several ranks on one
+device). On a link one side of each pair only sends and the other only receives, in the same
+order, so execution in post order per pair (HCCL/NCCL, tags ignored) cannot deadlock, and a
+receive waiting on one direction never holds up the other.
 """
 
 from __future__ import annotations
@@ -28,10 +26,13 @@ import torch.distributed as dist
 from .errors import ConnectorClosedError, PeerLostError
 
 WAIT_SLICE_SECONDS = 0.05
+# How often a device work's completion is polled (nccl/hccl works report it through an event).
+DEVICE_POLL_SECONDS = 0.0002
 WATCHER_JOIN_SECONDS = 2.0
 PROCESS_GROUP_TIMEOUT = timedelta(days=1)
 # How often a rank polls for rank 0's store to listen before joining it (see wait_for_listener).
 LISTENER_POLL_SECONDS = 0.2
+SEND, RECV = "isend", "irecv"
 
 class Handle(Protocol):
     def is_completed(self) -> bool: ...
@@ -41,22 +42,47 @@ class Handle(Protocol):
 
 class Transport(Protocol):
     """Non-blocking point-to-point primitive the connector is written against (one per
-    process group: ``transport_wrapper`` sees each of them)."""
+    process group: ``transport_wrapper`` sees each of them). A transport may also offer
+    ``batch(ops) -> list[Handle]`` for posting several operations as one call."""
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Handle: ...
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Handle: ...
 
 
+@dataclass(frozen=True)
+class P2POperation:
+    kind: str  # SEND or RECV
+    tensor: torch.Tensor
+    peer: int
+    tag: int
+
+
 class ProcessGroupTransport:
-    def __init__(self, process_group):
-        self.process_group = process_group
+    def __init__(self, process_group, device: torch.device | None = None):
+        self.process_group, self.device = process_group, device
 
     def isend(self, tensor, dst, tag):
         return self.process_group.send([tensor], dst, tag)
 
     def irecv(self, tensor, src, tag):
         return self.process_group.recv([tensor], src, tag)
+
+    def batch(self, ops: list[P2POperation]) -> list[Handle]:
+        """The operations as one call where the backend coalesces point-to-point (nccl, and
+        hccl where torch_npu supports it: one group launch, one work for all of them, as
+        ``torch.distributed.batch_isend_irecv`` does for registered groups); gloo has no
+        coalescing, so its operations are posted back to back."""
+        group = self.process_group
+        coalesce = self.device is not None and self.device.type != "cpu" and len(ops) > 1 and \
+            getattr(group, "supports_coalescing", False)
+        if not coalesce:
+            return [getattr(self, op.kind)(op.tensor, op.peer, op.tag) for op in ops]
+        group._start_coalescing(self.device)
+        for op in ops:
+            getattr(self, op.kind)(op.tensor, op.peer, op.tag)
+        work = group._end_coalescing(self.device)
+        return [work] * len(ops)
 
 
 class Tracked:
@@ -86,7 +112,8 @@ class Tracked:
 
 class StreamOrdered:
     """A nccl/hccl work: ``result()`` makes the caller's current stream wait for it (no host
-    wait); ``is_completed()`` polls its device event, for releasing sent buffers."""
+    wait); ``is_completed()`` polls its device event, for releasing sent buffers, and
+    ``ready()`` polls it for a host that must read the data."""
 
     __slots__ = ("handle", "peer")
 
@@ -97,6 +124,12 @@ class StreamOrdered:
         return self.handle.is_completed()
 
     def ready(self, timeout: float) -> bool:
+        """Host-side completion, for a host that must read what arrived (the FFN side)."""
+        deadline = time.monotonic() + timeout
+        while not self.handle.is_completed():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(DEVICE_POLL_SECONDS)
         return True
 
     def result(self) -> None:
@@ -144,6 +177,16 @@ class Link:
         self.name, self.transport, self.on_stream = name, transport, on_stream
         self._rank, self._wakeup = rank, wakeup
         self._watchers: dict[int, Watcher] = {}
+
+    def post(self, ops: list[P2POperation]) -> list[Tracked | StreamOrdered]:
+        """Post ``ops`` as one batch (``Transport.batch`` where the transport has it); a handle
+        per operation, in order."""
+        batch = getattr(self.transport, "batch", None)
+        if batch is not None:
+            handles = batch(ops)
+        else:
+            handles = [getattr(self.transport, op.kind)(op.tensor, op.peer, op.tag) for op in ops]
+        return [self.track(handle, op.peer) for handle, op in zip(handles, ops)]
 
     def track(self, handle, peer: int) -> Tracked | StreamOrdered:
         if self.on_stream:
@@ -223,6 +266,8 @@ class Heartbeat:
         self._last_check = 0.0
         self._stop = threading.Event()
         self.store_lost = False
+        self._check_lock = threading.Lock()
+        self._monitored: tuple[list[int], Callable[[int], str], Callable[[PeerLostError], None]] | None = None
         self._beat()
         self._thread = threading.Thread(target=self._run, name=f"afd-heartbeat-{rank}", daemon=True)
         self._thread.start()
@@ -237,8 +282,25 @@ class Heartbeat:
                 self._beat()
             except Exception:
                 return  # store gone: peers notice through their own checks
+            monitored = self._monitored
+            if monitored is not None:
+                peers, describe, on_lost = monitored
+                try:
+                    self.check(peers, describe)
+                except PeerLostError as exc:
+                    self._monitored = None
+                    on_lost(exc)
+
+    def monitor(self, peers: list[int], describe: Callable[[int], str], on_lost: Callable[[PeerLostError], None]) -> None:
+        """Check ``peers`` from the heartbeat thread too, for a rank whose waits are on a device
+        stream (no host thread waits, so none would notice a lost peer): ``on_lost`` once."""
+        self._monitored = (list(peers), describe, on_lost)
 
     def check(self, peers: list[int], describe: Callable[[int], str]) -> None:
+        with self._check_lock:
+            self._check(peers, describe)
+
+    def _check(self, peers: list[int], describe: Callable[[int], str]) -> None:
         now = time.monotonic()
         if self.store_lost or now - self._last_check < self.interval:
             return

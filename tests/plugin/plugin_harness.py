@@ -169,19 +169,25 @@ def run_threads(targets: list, timeout: float = 120.0) -> list:
     return results
 
 
+# The token budget of the test worlds: frames hold this many tokens per dispatch.
+MAX_TOKENS = 512
+
+
 def make_connector(spec, role: str, rank: int, attention_ranks: int, ffn_ranks: int, port: int, *,
                    timeout: float, rendezvous_timeout: float | None = None, dtype: torch.dtype = torch.float32,
-                   **options):
+                   placement: str = "ffn", partition: str = "affinity", max_tokens: int = MAX_TOKENS, **options):
     """One rank's P2PConnector on loopback, built as the plugin builds it: from an AFDConfig.
     The rendezvous is bounded by ``timeout`` too unless ``rendezvous_timeout`` is given."""
-    from afd_shared_experts.config import AFDConfig
+    from afd_shared_experts.config import AFDConfig, SharedExpertsConfig
     from afd_shared_experts.connector import P2PConnector
+    from afd_shared_experts.wire import WireLayout
 
     cfg = AFDConfig(role=role, num_attention_ranks=attention_ranks, num_ffn_ranks=ffn_ranks, host="127.0.0.1",
                     port=port, timeout_seconds=timeout,
-                    rendezvous_timeout_seconds=timeout if rendezvous_timeout is None else rendezvous_timeout)
-    return P2PConnector.from_config(cfg, role=role, rank=rank, hidden_size=spec.hidden_size,
-                                    local_experts=spec.local_experts(ffn_ranks), dtype=dtype, **options)
+                    rendezvous_timeout_seconds=timeout if rendezvous_timeout is None else rendezvous_timeout,
+                    shared_experts=SharedExpertsConfig(placement, partition))
+    layout = WireLayout.for_world(spec, cfg, dtype=dtype, token_budget=max_tokens)
+    return P2PConnector.from_config(cfg, role=role, rank=rank, layout=layout, **options)
 
 
 class ThreadWorld:
@@ -190,7 +196,8 @@ class ThreadWorld:
 
     def __init__(self, model_dir, attention_ranks: int, ffn_ranks: int, *, placement: str = "ffn",
                  partition: str = "affinity", dtype: str = "float32", timeout: float = 20.0,
-                 transport_wrapper=None, with_metrics: bool = False, data_plane: str | None = None):
+                 transport_wrapper=None, with_metrics: bool = False, data_plane: str | None = None,
+                 max_tokens: int = MAX_TOKENS):
         from afd_shared_experts.attention import AttentionMoELayer, RemoteMoE
         from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
         from afd_shared_experts.metrics import RuntimeMetrics
@@ -204,8 +211,8 @@ class ThreadWorld:
         def connector(role, rank):
             metrics = RuntimeMetrics(role) if with_metrics else None
             return make_connector(spec, role, rank, attention_ranks, ffn_ranks, port, timeout=timeout,
-                                  dtype=torch_dtype, metrics=metrics, transport_wrapper=transport_wrapper,
-                                  data_plane=data_plane)
+                                  dtype=torch_dtype, placement=placement, partition=partition, max_tokens=max_tokens,
+                                  metrics=metrics, transport_wrapper=transport_wrapper, data_plane=data_plane)
 
         self.attention_connectors = [connector("attention", a) for a in range(attention_ranks)]
         self.ffn_connectors = [connector("ffn", attention_ranks + f) for f in range(ffn_ranks)]
@@ -265,6 +272,12 @@ class ThreadWorld:
         self.close()
 
 
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (frames carry int32 headers in float rows: a NaN pattern there
+    is data, and torch.equal would call two copies of it different)."""
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
 class DelayedCompletionTransport:
     """Fault injector: completions arrive late. Receives land in a staging buffer and reach
     the caller's tensor only at completion (the caller's tensor is poisoned until then);
@@ -283,7 +296,7 @@ class DelayedCompletionTransport:
         class Handle:
             def wait(self):
                 time.sleep(transport.delay)
-                if not torch.equal(tensor, snapshot):
+                if not same_bytes(tensor, snapshot):
                     transport.violations.append(f"send to {dst} tag {tag}: buffer modified while in flight")
                 transport.inner.isend(tensor, dst, tag).wait()
 

@@ -15,7 +15,7 @@ EMPTY = FFNPayload(rows=torch.empty(0, 4), routed_counts=(0, 0), shared_prefix=(
 
 
 def work(source, layer, stage=0, *, step=0, stages=1, payload=EMPTY):
-    return WorkItem(source=source, layer=layer, seq=0, stage=stage, payload=payload, step=step, stages=stages)
+    return WorkItem(source=source, layer=layer, stage=stage, payload=payload, step=step, stages=stages)
 
 
 def keys(group):

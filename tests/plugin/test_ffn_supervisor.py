@@ -26,7 +26,7 @@ from afd_shared_experts.model import load_spec
 from afd_shared_experts.selfcheck import RunSpec, run_attention_rank, token_range
 from plugin_harness import (assert_matches_oracle, child_pids, make_connector, oracle_outputs, process_alive,
                             run_threads, write_checkpoint)
-from vllm_harness import afd_block, free_port, http_status, start_ffn_servers, wait_until
+from vllm_harness import SERVER_TOKEN_BUDGET, afd_block, free_port, http_status, start_ffn_servers, wait_until
 
 SHAPES = {"deepseek-v3-ascend": (16, (16,)), "small-ascend": (4, (2, 2)), "uneven": (2, (2, 1))}
 EXPERTS = 48
@@ -78,10 +78,11 @@ class PodWorld:
     def serve(self, hidden_states: torch.Tensor) -> dict[int, torch.Tensor]:
         """Attention ranks 0..A-2 run the selfcheck layers on their token share; rank A-1 joins and idles."""
         working = self.attention_ranks - 1
+        # The FFN pods were started with the engines' token budget: every rank sizes its frames by it.
         run = RunSpec(model_dir=str(self.model), attention_ranks=self.attention_ranks, ffn_ranks=self.ffn_ranks,
-                      steps=STEPS, port=self.port, timeout_seconds=60)
+                      steps=STEPS, port=self.port, timeout_seconds=60, max_tokens=SERVER_TOKEN_BUDGET)
         self.idle = make_connector(self.spec, "attention", working, self.attention_ranks, self.ffn_ranks, self.port,
-                                   timeout=60)
+                                   timeout=60, max_tokens=SERVER_TOKEN_BUDGET)
         shares = [hidden_states[slice(*token_range(a, len(hidden_states), working))] for a in range(working)]
         results = run_threads([lambda a=a: run_attention_rank(run, a, shares[a]) for a in range(working)]
                               + [self.idle.init], timeout=START_TIMEOUT)

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -5,9 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from afd_shared_experts.config import (
-    CONNECTORS, DATA_PLANES, EXTRA_KEYS, MAX_STAGES, PARTITIONS, PLACEMENTS, ROLES, SHARED_KEYS, TOP_LEVEL_KEYS, AFDConfig,
-    AFDConfigError,
-    SharedExpertsConfig, parse_afd_config, stage_limit,
+    CONNECTORS, DATA_PLANES, EXTRA_KEYS, FIELDS, MAX_STAGES, PARTITIONS, PLACEMENTS, REQUIRED, ROLES, SHARED_KEYS,
+    TOP_LEVEL_KEYS, AFDConfig, AFDConfigError, SharedExpertsConfig, parse_afd_config, stage_limit,
 )
 
 BASE = {"role": "attention", "num_attention_ranks": 4, "num_ffn_ranks": 2}
@@ -177,3 +177,34 @@ def test_stage_limit_says_why_a_world_runs_one_stage(settings, reason):
 
 def test_stage_limit_allows_every_stage_count_on_cpu():
     assert stage_limit(platform="cpu") == (MAX_STAGES, "")
+
+
+def test_every_config_attribute_has_exactly_one_block_field():
+    """AFDConfig, its builder, ``to_block`` and the parser follow config.FIELDS: an attribute
+    added to the dataclass without a field there (or the other way round) fails here."""
+    attributes = {f.name for f in dataclasses.fields(AFDConfig) if f.name != "shared_experts"}
+    attributes |= {f"shared_experts.{f.name}" for f in dataclasses.fields(SharedExpertsConfig)}
+    table = [block_field.attr for block_field in FIELDS]
+    assert sorted(table) == sorted(attributes) and len(set(table)) == len(table)
+    paths = [block_field.path for block_field in FIELDS]
+    assert len(set(paths)) == len(paths)
+    # Every field's default is what the dataclass holds when the block leaves the key out.
+    parsed = parse()
+    for block_field in FIELDS:
+        if block_field.default is not REQUIRED:
+            assert parsed.value(block_field) == block_field.default, block_field.path
+
+
+def test_the_vllm_glue_parses_an_engine_configs_block_once(monkeypatch):
+    """Every hook and every MoE layer asks for the block of the same engine config: one parse."""
+    from afd_shared_experts.vllm import compat
+
+    parses = []
+    monkeypatch.setattr(compat, "require_supported_vllm", lambda: None)
+    monkeypatch.setattr(compat, "parse_afd_config", lambda additional: parses.append(1) or parse_afd_config(additional))
+    engine = type("VllmConfig", (), {"additional_config": {"afd": {**BASE}}})()
+    configs = [compat.afd_config_of(engine) for _ in range(60)]
+    assert len(parses) == 1 and all(cfg is configs[0] for cfg in configs)
+    other = type("VllmConfig", (), {"additional_config": {"afd": {**BASE, "num_ffn_ranks": 4}}})()
+    assert compat.afd_config_of(other).num_ffn_ranks == 4 and len(parses) == 2
+    assert compat.afd_config_of(type("VllmConfig", (), {"additional_config": {}})()) is None

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from afd_shared_experts.partition import affinity_assignment, contiguous_ranges
+from afd_shared_experts.partition import affinity_assignment, contiguous_assignment
 
 
 @st.composite
@@ -61,9 +61,9 @@ def test_affinity_follows_its_rule_and_is_deterministic(case):
 
 
 @given(st.integers(0, 500), st.integers(1, 16))
-def test_contiguous_ranges_cover_every_token_once(tokens, ffn):
-    ranges = contiguous_ranges(tokens, ffn)
-    covered = [t for lo, hi in ranges for t in range(lo, hi)]
-    assert covered == list(range(tokens))
-    sizes = [hi - lo for lo, hi in ranges]
-    assert max(sizes) - min(sizes) <= 1
+def test_contiguous_assignment_gives_rank_r_tokens_r_n_over_f_to_r_plus_1_n_over_f(tokens, ffn):
+    token_rank, index_in_range, sizes = contiguous_assignment(tokens, ffn)
+    expected = [(r, t - r * tokens // ffn) for r in range(ffn) for t in range(r * tokens // ffn, (r + 1) * tokens // ffn)]
+    assert list(zip(token_rank.tolist(), index_in_range.tolist())) == expected
+    assert sizes.tolist() == [(r + 1) * tokens // ffn - r * tokens // ffn for r in range(ffn)]
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes.tolist()) == tokens

@@ -1,6 +1,5 @@
 """Connector, FFN loop and Attention-side behaviours over real gloo ranks."""
 
-import dataclasses
 import multiprocessing
 from contextlib import contextmanager
 import subprocess
@@ -19,7 +18,8 @@ from afd_devcluster import free_port
 from afd_shared_experts.attention import AttentionMoELayer, RemoteMoE
 from afd_shared_experts.compute import route
 from afd_shared_experts.device import resolve_device
-from afd_shared_experts.errors import ConnectorClosedError, DeviceUnavailableError, PairingError, PeerLostError
+from afd_shared_experts.errors import (ConnectorClosedError, DeviceUnavailableError, PairingError, PayloadError,
+                                      PeerLostError)
 from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
 from afd_shared_experts.metrics import ProbeServer
 from afd_shared_experts.model import (CheckpointReader, load_attention_weights, load_ffn_weights, load_spec,
@@ -64,11 +64,13 @@ def test_padding_rows_are_never_dispatched(checkpoints):
     with ThreadWorld(model_dir, 1, 2, placement="ffn") as world:
         layer = spec.moe_layers[0]
         out = world.layers[0][layer].forward(padded, num_tokens=5)
-        routed = sum(c.sent_bytes["routed_rows"] for c in world.attention_connectors)
+        sent = sum(c.sent_bytes["work"] for c in world.attention_connectors)
+        layout = world.attention_connectors[0].layout
     expected = oracle_outputs(model_dir, x, "float32", [layer])[layer]
     assert_matches_oracle({layer: out[:5]}, {layer: expected}, "float32")
     assert torch.equal(out[5:], torch.zeros(3, spec.hidden_size))
-    assert routed == 5 * spec.top_k * spec.hidden_size * 4
+    # The staged plane sends each frame's header and valid rows: the 5 real tokens' top-k rows.
+    assert sent == (2 * layout.header_rows + 5 * spec.top_k) * spec.hidden_size * 4
 
 
 @contextmanager
@@ -102,28 +104,32 @@ def test_stages_complete_out_of_order_and_pair_correctly(checkpoints):
         assert runtime.expert_passes == 2 * len(spec.moe_layers)
 
 
-def test_reply_that_answers_another_dispatch_is_an_error(checkpoints):
+def test_replies_must_follow_each_attention_ranks_dispatch_order(checkpoints):
+    """Replies carry no header: an Attention rank pairs them by order, so the FFN side refuses a
+    reply to any work item but a source's oldest unanswered one, and a reply of the wrong size."""
     model_dir = checkpoints["deepseek_v2"]
     spec, (attention, ffn) = connectors(model_dir, 1, 1)
     weights = load_attention_weights(model_dir, spec, "ffn", torch.float32)
     runtime = FFNRuntime(ffn, torch_experts(load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32)))
-
-    def rogue_ffn():
-        item = ffn.receive_work()
-        rows, routed, shared = runtime.process(item)
-        ffn.send_reply(dataclasses.replace(item, seq=item.seq + 1), rows, routed, shared)
-
-    thread = threading.Thread(target=rogue_ffn, daemon=True)
-    thread.start()
-    layer = spec.moe_layers[0]
-    moe = AttentionMoELayer(weights[layer].gate, RemoteMoE(spec=spec, layer=layer, connector=attention,
-                                                           num_ffn_ranks=1, placement="ffn", partition="affinity",
-                                                           dtype=torch.float32))
+    first, second = spec.moe_layers[:2]
+    remotes = {layer: RemoteMoE(spec=spec, layer=layer, connector=attention, num_ffn_ranks=1, placement="ffn",
+                                partition="affinity", dtype=torch.float32) for layer in (first, second)}
+    x = torch.randn(4, spec.hidden_size)
+    pendings = [remotes[layer].dispatch(x, *route(spec, weights[layer].gate, x)) for layer in (first, second)]
     try:
-        with pytest.raises(PairingError, match=r"does not match the oldest pending dispatch of stage 0"):
-            moe.forward(torch.randn(4, spec.hidden_size))
+        items = [ffn.receive_work(timeout=10) for _ in range(2)]
+        replies = [runtime.process(item)[0] for item in items]
+        with pytest.raises(PairingError, match=rf"for layer {second} stage 0, but its oldest unanswered work item is "
+                                               rf"layer {first} stage 0"):
+            ffn.send_reply(items[1], replies[1])
+        with pytest.raises(PayloadError, match=r"reply rows shape \(3, \d+\) must be \(\d+, \d+\)"):
+            ffn.send_reply(items[0], replies[0][:3])
+        for item, reply in zip(items, replies):
+            ffn.send_reply(item, reply)
+        for layer, pending in zip((first, second), pendings):
+            assert_matches_oracle({layer: remotes[layer].combine(pending)}, oracle_outputs(model_dir, x, "float32", [layer]),
+                                  "float32")
     finally:
-        thread.join(10)
         attention.close()
         ffn.close()
 
@@ -195,7 +201,7 @@ def _raises(fn, *args):
 
 
 def test_close_after_partial_init_is_safe():
-    spec = SimpleNamespace(hidden_size=8, local_experts=lambda ffn_ranks: 2)
+    spec = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2)
     connector = make_connector(spec, "ffn", 1, 1, 1, free_port(), timeout=1)
     with pytest.raises(PeerLostError, match=r"rendezvous at 127\.0\.0\.1:\d+ for world size 2 failed"):
         connector.init()  # nobody hosts the store
@@ -210,7 +216,7 @@ def test_a_rank_waiting_since_before_rank_0_joins_within_its_window():
     previous attempt just expired must still join well inside rank 0's window; a TCPStore client
     that found nobody listening sleeps a random backoff of about its timeout (the cause of a CI
     failure: 17.8 s against rank 0's 15 s window)."""
-    spec = SimpleNamespace(hidden_size=8, local_experts=lambda ffn_ranks: 2)
+    spec = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2)
     port = free_port()
     joined = {}
     give_up = time.monotonic() + 25
@@ -248,7 +254,7 @@ def test_rank_0_waits_past_the_liveness_timeout_for_an_ffn_rank_still_loading():
     liveness timeout (a CI roll: an Attention head failed its rendezvous while its FFN pods were
     loading on a busy node). Rank 0's bound is the rendezvous timeout; once the world is up,
     liveness is the short timeout again."""
-    spec = SimpleNamespace(hidden_size=8, local_experts=lambda ffn_ranks: 2)
+    spec = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2)
     port = free_port()
 
     def attention_rank():
@@ -273,7 +279,7 @@ def test_rank_0_waits_past_the_liveness_timeout_for_an_ffn_rank_still_loading():
 
 
 def test_rank_0_gives_up_after_the_rendezvous_timeout():
-    spec = SimpleNamespace(hidden_size=8, local_experts=lambda ffn_ranks: 2)
+    spec = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2)
     connector = make_connector(spec, "attention", 0, 1, 1, free_port(), timeout=1)
     started = time.monotonic()
     with pytest.raises(PeerLostError, match=r"for world size 2 failed within 1(\.0)?s: .*1/2 clients joined"):
@@ -473,13 +479,13 @@ def test_npu_request_without_torch_npu_fails_fast():
 UNHURRIED_GATHER_WINDOW = 30.0
 
 
-def staged_step(world, a, x, *, step, stages):
+def staged_step(world, a, x, *, stages):
     """Attention rank a's forward of every MoE layer with its tokens in ``stages`` micro-batches,
     all dispatched before the first combine, as the micro-batch schedule runs them."""
     parts = [x[slice(*token_range(s, x.shape[0], stages))] for s in range(stages)]
     outs = {}
     for layer, moe in world.layers[a].items():
-        pendings = [moe.remote.dispatch(part, *route(world.spec, moe.gate, part), stage=s, step=step, stages=stages)
+        pendings = [moe.remote.dispatch(part, *route(world.spec, moe.gate, part), stage=s, stages=stages)
                     for s, part in enumerate(parts)]
         outs[layer] = torch.cat([moe.remote.combine(pending) for pending in pendings])
     return outs
@@ -504,7 +510,7 @@ def test_one_expert_pass_per_layer_and_stage_however_many_attention_ranks(checkp
         for runtime in world.runtimes:
             runtime.gather_window = UNHURRIED_GATHER_WINDOW
         for step, inputs in enumerate(steps):
-            outs = run_threads([lambda a=a: staged_step(world, a, inputs[a][0], step=step, stages=inputs[a][1])
+            outs = run_threads([lambda a=a: staged_step(world, a, inputs[a][0], stages=inputs[a][1])
                                 for a in range(attention_ranks)], timeout=60)
             got = {layer: torch.cat([o[layer] for o in outs]) for layer in spec.moe_layers}
             x = torch.cat([inputs[a][0] for a in range(attention_ranks)])
@@ -533,8 +539,8 @@ def test_trace_records_both_sides_of_every_stage(checkpoints, tmp_path, monkeypa
     spec = load_spec(model_dir)
     with ThreadWorld(model_dir, 2, 1, placement="ffn") as world:
         world.runtimes[0].gather_window = UNHURRIED_GATHER_WINDOW
-        for step in range(2):
-            run_threads([lambda a=a: staged_step(world, a, torch.randn(4 + a, spec.hidden_size), step=step, stages=2)
+        for _ in range(2):
+            run_threads([lambda a=a: staged_step(world, a, torch.randn(4 + a, spec.hidden_size), stages=2)
                          for a in range(2)], timeout=60)
     intervals = read_traces(tmp_path)
     by_kind = {}
@@ -554,21 +560,32 @@ def test_trace_records_both_sides_of_every_stage(checkpoints, tmp_path, monkeypa
     assert all(i["wall_ns"] > 0 and i["end_ns"] >= i["start_ns"] for i in intervals)
 
 
-def test_connector_counts_steps_when_the_caller_names_none(checkpoints):
-    with one_attention_rank_served(checkpoints["deepseek_v2"]) as (spec, attention, weights, runtime):
-        x = torch.randn(3, spec.hidden_size)
-        remotes = {layer: RemoteMoE(spec=spec, layer=layer, connector=attention, num_ffn_ranks=1, placement="ffn",
-                                    partition="affinity", dtype=torch.float32) for layer in spec.moe_layers}
-        steps = []
-        for step_stages in (1, 1, 2):  # a layer not above the previous stage-0 layer starts a step
+def test_both_ends_count_the_same_steps(checkpoints):
+    """No step number travels: the Attention connector and the FFN connector each count an
+    Attention rank's steps from its dispatches (a stage-0 dispatch of a layer not above the
+    previous stage 0's starts a step) and agree."""
+    model_dir = checkpoints["deepseek_v2"]
+    spec, (attention, ffn) = connectors(model_dir, 1, 1)
+    weights = load_attention_weights(model_dir, spec, "ffn", torch.float32)
+    runtime = FFNRuntime(ffn, torch_experts(load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32)))
+    x = torch.randn(3, spec.hidden_size)
+    remotes = {layer: RemoteMoE(spec=spec, layer=layer, connector=attention, num_ffn_ranks=1, placement="ffn",
+                                partition="affinity", dtype=torch.float32) for layer in spec.moe_layers}
+    sent, received = [], []
+    try:
+        for step_stages in (1, 1, 2):
             for layer, remote in remotes.items():
                 pendings = [remote.dispatch(x, *route(spec, weights[layer].gate, x), stage=stage, stages=step_stages)
                             for stage in range(step_stages)]
-                steps += [(p.ticket.step, p.ticket.layer, p.ticket.stage) for p in pendings]
+                sent += [(p.ticket.step, p.ticket.layer, p.ticket.stage) for p in pendings]
+                for _ in pendings:
+                    item = ffn.receive_work(timeout=10)
+                    received.append((item.step, item.layer, item.stage))
+                    ffn.send_reply(item, runtime.process(item)[0])
                 [remote.combine(p) for p in pendings]
-        explicit = remotes[spec.moe_layers[0]].dispatch(x, *route(spec, weights[spec.moe_layers[0]].gate, x), step=9)
-        remotes[spec.moe_layers[0]].combine(explicit)
+    finally:
+        attention.close()
+        ffn.close()
     first, second = spec.moe_layers
-    assert steps == [(0, first, 0), (0, second, 0), (1, first, 0), (1, second, 0),
-                     (2, first, 0), (2, first, 1), (2, second, 0), (2, second, 1)]
-    assert explicit.ticket.step == 9 and runtime.expert_passes == 9
+    assert sent == received == [(0, first, 0), (0, second, 0), (1, first, 0), (1, second, 0),
+                                (2, first, 0), (2, first, 1), (2, second, 0), (2, second, 1)]

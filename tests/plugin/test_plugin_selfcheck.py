@@ -13,7 +13,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from afd_devcluster import free_port
-from afd_shared_experts.model import load_spec
+from afd_shared_experts.model import DTYPES, load_spec
+from afd_shared_experts.selfcheck import token_range
+from afd_shared_experts.wire import WireLayout
 from plugin_harness import assert_matches_oracle, oracle_outputs
 
 
@@ -68,18 +70,25 @@ def test_selfcheck_matches_oracle(tmp_path, checkpoints, model, args, data_plane
     report = json.loads(report_path.read_text())
     assert report["data_plane"] == data_plane  # the plane the ranks agreed on and ran
     assert report["run"]["device"] == "cpu"
-    assert report["row_count_syncs_per_layer_step"] == [1]  # counted in every Attention rank, layer and step
     steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 1
     ffn_ranks = int(args[args.index("--ffn-ranks") + 1])
     assert len(report["wall_time_per_step_seconds"]) == steps
-    assert set(report["bytes_by_kind"]) == {"routed_rows", "shared_rows", "headers", "replies"}
+    assert set(report["bytes_by_kind"]) == {"work", "replies"}
     placement = args[args.index("--placement") + 1]
     shared_total = sum(report["shared_tokens_per_ffn_rank"])
     assert shared_total == (7 * steps * len(spec.moe_layers) if placement == "ffn" else 0)
-    if "affinity" in args and placement == "ffn":
-        assert report["bytes_by_kind"]["shared_rows"] == 0
-    if "contiguous" in args:
-        assert report["bytes_by_kind"]["shared_rows"] == 7 * steps * len(spec.moe_layers) * spec.hidden_size * 2
+    # Work bytes: whole frames on the direct plane; on staged each frame's header and valid rows:
+    # every token's top-k rows, plus one extra row per token under the contiguous partition
+    # (affinity sends no extra row for the shared expert).
+    attention_ranks = int(args[args.index("--attention-ranks") + 1])
+    share = max(hi - lo for lo, hi in (token_range(a, 7, attention_ranks) for a in range(attention_ranks)))
+    layout = WireLayout(hidden_size=spec.hidden_size, dtype=DTYPES[dtype], local_experts=spec.local_experts(ffn_ranks),
+                        num_ffn_ranks=ffn_ranks, top_k=spec.top_k, max_tokens=share,
+                        shared="contiguous" if "contiguous" in args else "affinity" if placement == "ffn" else "none")
+    frames = steps * len(spec.moe_layers) * attention_ranks * ffn_ranks
+    rows = frames * layout.work_rows if data_plane == "direct" else \
+        frames * layout.header_rows + steps * len(spec.moe_layers) * 7 * (spec.top_k + ("contiguous" in args))
+    assert report["bytes_by_kind"]["work"] == rows * spec.hidden_size * layout.row_bytes_per_element
     assert len(report["ffn_parameter_bytes"]) == ffn_ranks
 
 

@@ -209,8 +209,10 @@ class Proc:
 
 
 # Engine arguments of every vLLM start (the offline driver passes the same to vllm.LLM).
+# The engines' --max-num-batched-tokens in these tests (the FFN servers must be given the same).
+SERVER_TOKEN_BUDGET = 512
 SERVE_ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-batched-tokens",
-                     "512", "--max-num-seqs", "8", "--seed", "0"]
+                     str(SERVER_TOKEN_BUDGET), "--max-num-seqs", "8", "--seed", "0"]
 
 
 def start_vllm_serve(model: Path, api_port: int, logdir: Path, name: str, *, block: dict | None = None,
@@ -240,11 +242,13 @@ def trace_env(trace_dir: Path | None) -> dict[str, str]:
 def start_ffn_servers(model: Path, block: dict, logdir: Path, count: int = 2, tag: str = "ffn",
                       extra_args: tuple[str, ...] = (), split: tuple[int, ...] | None = None,
                       python: str | None = None, trace_dir: Path | None = None,
-                      cpus: set[int] | None = None, env: dict[str, str] | None = None) -> list[tuple[Proc, int]]:
+                      cpus: set[int] | None = None, env: dict[str, str] | None = None,
+                      token_budget: int = SERVER_TOKEN_BUDGET) -> list[tuple[Proc, int]]:
     """FFN servers (pods) with consecutive FFN ranks, command lines as the operator renders them
     (plus `extra_args`): `split` gives each server's rank count (default `count` servers of one
     rank); `python` the interpreter (default the vLLM venv's); `trace_dir` and `env` as for
-    start_vllm_serve; `cpus`: the cores they run on (default any)."""
+    start_vllm_serve; `cpus`: the cores they run on (default any); `token_budget`: the
+    engines' --max-num-batched-tokens, which every rank's frames are sized by."""
     servers = []
     ffn_block = {"afd": {**block["afd"], "role": "ffn"}}
     rank_start = 0
@@ -253,7 +257,7 @@ def start_ffn_servers(model: Path, block: dict, logdir: Path, count: int = 2, ta
         argv = [python or vllm_python(), "-m", "afd_shared_experts.ffn_server", "--model", str(model),
                 "--ffn-rank-start", str(rank_start), "--ffn-local-ranks", str(local_ranks),
                 "--health-port", str(health),
-                "--max-num-batched-tokens", "512", "--dtype", "float32", "--max-model-len", "512",
+                "--max-num-batched-tokens", str(token_budget), "--dtype", "float32", "--max-model-len", "512",
                 "--additional-config", json.dumps(ffn_block), "--bind-host", "127.0.0.1", *extra_args]
         servers.append((Proc(argv, logdir / f"{tag}-{index}.log", base_env(**trace_env(trace_dir), **(env or {})),
                              cpus), health))

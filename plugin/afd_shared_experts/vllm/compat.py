@@ -8,6 +8,7 @@ plugin entry point.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -28,6 +29,7 @@ class VLLMVersionError(RuntimeError):
     """The installed vLLM is not the version this plugin's integration was written for."""
 
 
+@functools.cache  # read once per process (the entry point, the version check, the CPU patches)
 def installed_vllm_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -52,13 +54,24 @@ def require_supported_vllm() -> None:
         )
 
 
+# The last additional config parsed and its afd block: a process serves one engine config, which
+# vLLM hands to every hook (and to every MoE layer), so the block is parsed once per process.
+_parsed: tuple[object, AFDConfig] | None = None
+
+
 def afd_config_of(vllm_config: Any) -> AFDConfig | None:
     """The parsed afd block of a VllmConfig, or None when AFD is not requested."""
+    global _parsed
     additional = getattr(vllm_config, "additional_config", None)
     if not isinstance(additional, dict) or "afd" not in additional:
         return None
+    parsed = _parsed
+    if parsed is not None and parsed[0] is additional:
+        return parsed[1]
     require_supported_vllm()
-    return parse_afd_config(additional)
+    cfg = parse_afd_config(additional)
+    _parsed = (additional, cfg)
+    return cfg
 
 
 class EagerForAFD:

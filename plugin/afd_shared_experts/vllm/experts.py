@@ -34,6 +34,7 @@ from ..metrics import RuntimeMetrics
 from ..model import MoESpec, SharedExpertWeights, load_spec
 from ..roles import attention_role_rank
 from ..tp import all_gather_and_trim, shard_tokens
+from ..wire import WireLayout
 from .compat import afd_config_of
 from .plugin import MODEL_WRAPPERS
 from .stages import current_stage, stage_yield
@@ -64,10 +65,11 @@ class AttentionRank:
         cfg.validate_for_model(spec.num_routed_experts)
         self.cfg, self.spec = cfg, spec
         self.metrics = RuntimeMetrics("attention")
-        self.connector = P2PConnector.from_config(
-            cfg, role="attention", rank=self.rank, hidden_size=spec.hidden_size,
-            local_experts=spec.local_experts(cfg.num_ffn_ranks), dtype=vllm_config.model_config.dtype,
-            device=current_platform.device_type, metrics=self.metrics)
+        # Frames sized for the engine's token budget (a TP rank dispatches its shard; a micro-batch holds less).
+        layout = WireLayout.for_world(spec, cfg, dtype=vllm_config.model_config.dtype,
+                                      token_budget=vllm_config.scheduler_config.max_num_batched_tokens)
+        self.connector = P2PConnector.from_config(cfg, role="attention", rank=self.rank, layout=layout,
+                                                  device=current_platform.device_type, metrics=self.metrics)
         logger.info("AFD Attention rank %d of %d (+%d FFN ranks): rendezvous at %s:%d",
                     self.rank, cfg.num_attention_ranks, cfg.num_ffn_ranks, cfg.host, cfg.port)
         self.connector.init()
