@@ -150,14 +150,22 @@ def _write_tokenizer(directory: Path) -> None:
         "model_max_length": 512}))
 
 
+# The stage tests split every step that has two requests (the plugin's own minimum step sizes
+# keep small steps whole: ``min_split=None`` leaves them in force).
+SPLIT_EVERY_STEP = {"decode": 1, "prefill": 1}
+
+
 def afd_block(role: str, *, port: int, attention_ranks: int = 1, ffn_ranks: int = 2, placement: str = "ffn",
-              partition: str = "affinity", tp: int = 1, stages: int = 1) -> dict:
+              partition: str = "affinity", tp: int = 1, stages: int = 1,
+              min_split: dict | None = SPLIT_EVERY_STEP) -> dict:
     """The afd block as the operator renders it (afd_operator.planner.afd_config)."""
-    return {"afd": {"role": role, "connector": "p2p", "async": True, "host": "127.0.0.1", "port": port,
-                    "num_attention_ranks": attention_ranks, "num_ffn_ranks": ffn_ranks, "num_stages": stages,
-                    "compute_gate_on_attention": True, "connector_extra_config": {"attn_ranks_per_dp": tp},
-                    "shared_experts": {"placement": placement, "partition": partition},
-                    "timeout_seconds": 120}}
+    block = {"role": role, "connector": "p2p", "async": True, "host": "127.0.0.1", "port": port,
+             "num_attention_ranks": attention_ranks, "num_ffn_ranks": ffn_ranks, "num_stages": stages,
+             "compute_gate_on_attention": True, "connector_extra_config": {"attn_ranks_per_dp": tp},
+             "shared_experts": {"placement": placement, "partition": partition}, "timeout_seconds": 120}
+    if min_split is not None:
+        block["min_split_tokens"] = min_split
+    return {"afd": block}
 
 
 def pinned_to(cpus: set[int] | None):
