@@ -225,13 +225,15 @@ SERVE_ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len",
 
 def start_vllm_serve(model: Path, api_port: int, logdir: Path, name: str, *, block: dict | None = None,
                      data_parallel: int = 1, tensor_parallel: int = 1, extra_args: tuple[str, ...] = (),
-                     trace_dir: Path | None = None, env: dict[str, str] | None = None) -> Proc:
+                     trace_dir: Path | None = None, env: dict[str, str] | None = None,
+                     engine_args: list[str] = SERVE_ENGINE_ARGS, cpus: set[int] | None = None) -> Proc:
     """`vllm serve` (the real console script) on 127.0.0.1:api_port, parallel flags and the
     head's metrics directory as the operator renders them (plus `extra_args`); `block` is the
     afd config (None: plain vLLM); `trace_dir`: where the Attention ranks write their stage
-    traces (trace.py); `env`: laid over base_env."""
+    traces (trace.py); `env`: laid over base_env; `engine_args`: the engine's own flags (the
+    tests': eager, small limits); `cpus`: the cores it runs on (default any)."""
     argv = [vllm_console_script(), "serve", str(model), "--host", "127.0.0.1", "--port", str(api_port),
-            *SERVE_ENGINE_ARGS, "--tensor-parallel-size", str(tensor_parallel), "--data-parallel-size", str(data_parallel),
+            *engine_args, "--tensor-parallel-size", str(tensor_parallel), "--data-parallel-size", str(data_parallel),
             "--data-parallel-size-local", str(data_parallel), "--data-parallel-address", "127.0.0.1",
             "--data-parallel-rpc-port", str(free_port())]
     if block is not None:
@@ -240,7 +242,7 @@ def start_vllm_serve(model: Path, api_port: int, logdir: Path, name: str, *, blo
     metrics_dir = logdir / f"{name}-prometheus"
     metrics_dir.mkdir()
     return Proc(argv, logdir / f"{name}.log",
-                base_env(PROMETHEUS_MULTIPROC_DIR=str(metrics_dir), **trace_env(trace_dir), **(env or {})))
+                base_env(PROMETHEUS_MULTIPROC_DIR=str(metrics_dir), **trace_env(trace_dir), **(env or {})), cpus)
 
 
 def trace_env(trace_dir: Path | None) -> dict[str, str]:
