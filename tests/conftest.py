@@ -25,7 +25,7 @@ EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
 # the largest), so the other tests end while the vLLM servers run, well before the real node
 # measures the host's memory.
 WHOLE_MACHINE_MODULES = ("tests/plugin/test_vllm_e2e_offline.py", "tests/plugin/test_vllm_ffn_multi_rank.py",
-                         "tests/plugin/test_vllm_graph_modes.py", "tests/plugin/test_vllm_serve_e2e.py",
+                         "tests/plugin/test_vllm_serve_e2e.py",
                          "tests/realnode/")
 
 
