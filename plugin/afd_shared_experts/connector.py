@@ -265,15 +265,28 @@ class P2PConnector(AFDConnector):
         keys = [f"afd/data-plane/{r}" for r in range(self.world_size)]
         self._store.wait(keys, PROCESS_GROUP_TIMEOUT)
         published = [json.loads(self._store.get(key)) for key in keys]
-        # Everyone has read before anyone may refuse: rank 0 holds the store, and a rank that
-        # reads after it left would see a broken connection instead of the reason.
-        self._store.set(f"afd/data-plane-read/{self.rank}", "1")
-        self._store.wait([f"afd/data-plane-read/{r}" for r in range(self.world_size)], PROCESS_GROUP_TIMEOUT)
         layouts = {layout for _, _, layout in published}
-        if len(layouts) != 1:
-            raise ValueError("AFD frame layout: every rank of the world must use the same model and "
-                             f"--max-num-batched-tokens (got {' | '.join(sorted(layouts))})")
+        refusal = None if len(layouts) == 1 else ValueError(
+            "AFD frame layout: every rank of the world must use the same model and "
+            f"--max-num-batched-tokens (got {' | '.join(sorted(layouts))})")
+        self._hold_store_until_all_read(refusing=refusal is not None)
+        if refusal is not None:
+            raise refusal
         return choose_data_plane([(plane, identity) for plane, identity, _ in published])
+
+    def _hold_store_until_all_read(self, refusing: bool) -> None:
+        """Rank 0 hosts the store: it waits until every other rank has read what was published,
+        so a refusal reaches each rank as its reason rather than as a closed connection. The
+        others only report; once refusing, a report whose reply is lost (rank 0 already left,
+        which it may only do after this report arrived) changes nothing."""
+        if self.rank == 0:
+            self._store.wait([f"afd/data-plane-read/{r}" for r in range(1, self.world_size)], PROCESS_GROUP_TIMEOUT)
+            return
+        try:
+            self._store.set(f"afd/data-plane-read/{self.rank}", "1")
+        except Exception:
+            if not refusing:
+                raise
 
     def _on_peer_lost(self, error: PeerLostError) -> None:
         self._lost, self._failed = error, True

@@ -165,7 +165,9 @@ class VllmLayerExperts:
     def routed(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         experts = torch.arange(len(counts), device=rows.device)
         marked = torch.repeat_interleave(experts, torch.tensor(counts, device=rows.device))
-        kernel = getattr(self.routed_experts.quant_method, "cpu_fused_moe", None)
+        # vLLM's CPU platform only: on Ascend the layer's own method must run inside the forward
+        # context vllm-ascend's runner would set.
+        kernel = None if on_ascend() else getattr(self.routed_experts.quant_method, "cpu_fused_moe", None)
         if hasattr(kernel, "forward_method"):
             from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
