@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from afd_devcluster.checkpoints import write_vllm_checkpoint
 from afd_shared_experts.model import load_spec
 from afd_shared_experts.trace import read_traces
 from stage_traces import assert_staged_schedule
@@ -25,7 +26,6 @@ from vllm_harness import (
     install_testbed_plugin,
     run_driver,
     start_ffn_servers,
-    write_vllm_checkpoint,
 )
 
 MODELS = ("deepseek_v2", "deepseek_v3", "qwen2_moe")
