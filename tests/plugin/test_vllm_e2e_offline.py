@@ -23,7 +23,9 @@ from vllm_harness import (
     afd_block,
     free_port,
     http_status,
+    http_text,
     install_testbed_plugin,
+    metric_total,
     run_driver,
     start_ffn_servers,
 )
@@ -34,13 +36,15 @@ STAGES = {"ffn": 3, "attention": 2}
 
 def afd_run(model, request: dict, block: dict, root, tag: str) -> dict:
     """The driver as an AFD Attention side with two FFN server processes (stopped after); both
-    sides write stage traces (result["traces"])."""
+    sides write stage traces (result["traces"]); each server's /metrics after the run
+    (result["ffn_metrics"])."""
     traces = root / f"traces-{tag}"
     servers = start_ffn_servers(model, block, root, tag=f"ffn-{tag}", trace_dir=traces)
     try:
         result = run_driver({**request, "additional_config": block}, root, f"afd-{tag}", trace_dir=traces)
         # Still serving after the run: the engine's exit closed its connector cleanly.
         result["ffn_ready_after_run"] = [http_status(port, "/ready") for _, port in servers]
+        result["ffn_metrics"] = [http_text(port, "/metrics") for _, port in servers]
     finally:
         for proc, _ in servers:
             proc.stop()
@@ -138,10 +142,21 @@ def test_attention_tensor_parallel_2_runs_stages_in_the_same_order_on_both_ranks
     assert_staged_schedule(tensor_parallel_2["afd"]["traces"], stages=2, attention_ranks=2)
 
 
-def test_both_ffn_servers_served_work(runs):
-    for placement in ("ffn", "attention"):
-        for log in runs[placement]["ffn_logs"]:
-            assert "serving" in log, log[-2000:]
+def assert_both_ffn_servers_served(result: dict, placement: str) -> None:
+    """From each FFN server's own /metrics: it received routed rows and ran expert passes;
+    shared-expert rows reached the FFN side only under placement 'ffn'."""
+    assert len(result["ffn_metrics"]) == 2
+    for exposition, log in zip(result["ffn_metrics"], result["ffn_logs"]):
+        assert metric_total(exposition, "afd_tokens_received_total", kind="routed") > 0, log[-2000:]
+        assert metric_total(exposition, "afd_ffn_expert_passes_total") > 0, log[-2000:]
+    shared = sum(metric_total(exposition, "afd_tokens_received_total", kind="shared")
+                 for exposition in result["ffn_metrics"])
+    assert (shared > 0) == (placement == "ffn"), shared
+
+
+@pytest.mark.parametrize("placement", ["ffn", "attention"])
+def test_both_ffn_servers_served_work(runs, placement):
+    assert_both_ffn_servers_served(runs[placement], placement)
 
 
 def test_attention_bytes_shrink_by_exactly_the_shared_experts(runs):
@@ -169,7 +184,7 @@ def test_attention_tensor_parallel_2_with_placement_ffn_equals_plain_vllm(tensor
     assert all(len(ids) == MAX_TOKENS for ids in plain["token_ids"])
     assert afd["token_ids"] == plain["token_ids"]
     assert afd["experts_classes"] == [["AFDFusedMoE"], ["AFDFusedMoE"]]
-    assert all("serving" in log for log in afd["ffn_logs"]), afd["ffn_logs"]
+    assert_both_ffn_servers_served(afd, "ffn")
 
 
 def test_load_format_afd_reads_no_routed_expert_from_disk(runs):

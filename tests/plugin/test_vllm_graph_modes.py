@@ -6,7 +6,7 @@ no captured graph (CUDA/ACL) replays and torch.compile cannot trace (docs/compat
 import pytest
 
 from afd_shared_experts.vllm.compat import EAGER_REASON
-from test_vllm_e2e_offline import afd_run, plain_reference
+from test_vllm_e2e_offline import afd_run, assert_both_ffn_servers_served, plain_reference
 from vllm_harness import MAX_TOKENS, afd_block, free_port, install_testbed_plugin, run_driver
 
 MODELS = ("deepseek_v3", "qwen2_moe")
@@ -50,4 +50,4 @@ def test_afd_engine_with_default_compilation_equals_plain_vllm(runs):
     afd = runs["afd"]
     assert afd["token_ids"] == plain
     assert afd["experts_classes"] == [["AFDFusedMoE"]]
-    assert all("serving" in log for log in afd["ffn_logs"])
+    assert_both_ffn_servers_served(afd, "ffn")
