@@ -34,6 +34,7 @@ VLLM_MODULES = ("tests/plugin/test_vllm_ascend_context.py", "tests/plugin/test_v
                 "tests/plugin/test_vllm_e2e_offline.py", "tests/plugin/test_vllm_ffn_experts.py",
                 "tests/plugin/test_vllm_ffn_multi_rank.py", "tests/plugin/test_vllm_graph_modes.py",
                 "tests/plugin/test_vllm_serve_e2e.py", "tests/plugin/test_vllm_stage_glue.py")
+WHOLE_MACHINE_SCOPE = "whole-machine"
 NO_VLLM_VENV = ('needs the vLLM venv: set AFD_VLLM_PYTHON="$(scripts/vllm-env.sh)/bin/python" '
                 "(scripts/test.sh does)")
 
@@ -62,17 +63,25 @@ def vllm_venv_given() -> bool:
 
 
 class WholeMachineUnit(LoadScopeScheduling):
-    """xdist's scope scheduler with one scope for all whole-machine tests, one per other test.
+    """xdist's scope scheduler with one scope for all whole-machine tests, one per other module.
     (xdist_group cannot do it here: xdist 3.8 tags the group into `_nodeid`, which pytest 9.2
     no longer reads.)
 
     Under xdist (pyproject: -n 2) the whole-machine tests are one work unit, run in order on one
-    worker, while the other worker runs every other test. The unit is scheduled first (xdist
-    starts the largest), so the other tests end while the vLLM servers run, well before the real
-    node measures the host's memory."""
+    worker, while the other worker runs every other test. The unit is handed out first (and a
+    worker gets more work only when it has two tests left), so the other tests end while the
+    vLLM servers run, well before the real node measures the host's memory. A module stays on
+    one worker, so its module-scoped fixtures (FFN pod worlds, engines) start once, also when
+    one tier runs on both workers."""
 
     def _split_scope(self, nodeid: str) -> str:
-        return "whole-machine" if is_whole_machine(nodeid) else nodeid
+        return WHOLE_MACHINE_SCOPE if is_whole_machine(nodeid) else module_of(nodeid)
+
+    def _assign_work_unit(self, node) -> None:
+        # xdist orders units by test count; a light module may hold more tests than the unit.
+        if WHOLE_MACHINE_SCOPE in self.workqueue:
+            self.workqueue.move_to_end(WHOLE_MACHINE_SCOPE, last=False)
+        super()._assign_work_unit(node)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log) -> Optional[LoadScopeScheduling]:

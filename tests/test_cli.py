@@ -90,7 +90,7 @@ def test_render_is_deterministic_yaml(examples: list[Path]) -> None:
     assert all(o["metadata"]["ownerReferences"][0]["uid"] == "1234" for o in yaml.safe_load_all(out))
 
 
-def test_console_script_exits_as_its_help_documents(tmp_path: Path, examples: list[Path]) -> None:
+def test_console_script_exits_as_its_help_documents(tmp_path: Path) -> None:
     """`afdctl --help` documents exit codes 0 (success), 1 (invalid input, every problem on
     stderr as 'FILE: field.path: rule') and 2 (usage error or unreadable file): real runs of the
     installed console script give each of them, and nothing on stdout when they fail."""
@@ -104,9 +104,8 @@ def test_console_script_exits_as_its_help_documents(tmp_path: Path, examples: li
     assert re.findall(r"\b(\d) [a-z]", " ".join(helped.stdout.split("Exit codes:", 1)[1].split())) == ["0", "1", "2"]
 
     crd = afdctl_run("crd")
-    assert crd.returncode == 0 and yaml.safe_load(crd.stdout)["kind"] == "CustomResourceDefinition"
-    valid = afdctl_run("validate", *[a for p in examples for a in ("-f", str(p))])
-    assert (valid.returncode, valid.stderr) == (0, "")
+    assert (crd.returncode, crd.stderr) == (0, "")
+    assert yaml.safe_load(crd.stdout)["kind"] == "CustomResourceDefinition"
 
     bad = tmp_path / "bad.yaml"
     bad.write_text(BAD)
@@ -116,7 +115,7 @@ def test_console_script_exits_as_its_help_documents(tmp_path: Path, examples: li
     assert len(problems) == 2, problems
     assert all(re.fullmatch(rf"{re.escape(str(bad))}: spec\.[\w.]+: .+", line) for line in problems), problems
 
-    for usage in (["validate", "-f", str(tmp_path / "missing.yaml")], ["frobnicate"], []):
+    for usage in (["validate", "-f", str(tmp_path / "missing.yaml")], ["frobnicate"]):
         failed = afdctl_run(*usage)
         assert (failed.returncode, failed.stdout) == (2, ""), (usage, failed.stderr)
         assert failed.stderr, usage
