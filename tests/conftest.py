@@ -22,7 +22,7 @@ EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
 # Every test is in exactly one tier, by what it needs (the first that applies):
 #   whole_machine  real vLLM servers (an engine beside FFN server processes) or the real node:
 #                  each uses most of this machine's memory and cores;
-#   vllm           runs the vLLM venv's python ($AFD_VLLM_PYTHON), one process at a time;
+#   vllm           runs the vLLM venv's python ($AFD_VLLM_PYTHON) in single processes;
 #   apiserver      the real etcd + kube-apiserver (the `cluster` fixture);
 #   unit           none of these.
 # README.md ("Test tiers") has each tier's command and time.

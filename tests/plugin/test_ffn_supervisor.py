@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 import torch
@@ -26,8 +27,7 @@ from afd_shared_experts.model import load_spec
 from afd_shared_experts.selfcheck import RunSpec, run_attention_rank, token_range
 from plugin_harness import (assert_matches_oracle, child_pids, make_connector, oracle_outputs, process_alive,
                             run_threads)
-from vllm_harness import (SERVER_TOKEN_BUDGET, afd_block, free_port, http_status, http_text, start_ffn_servers,
-                          wait_until)
+from vllm_harness import SERVER_TOKEN_BUDGET, afd_block, free_port, http_status, start_ffn_servers, wait_until
 
 SHAPES = {"deepseek-v3-ascend": (16, (16,)), "small-ascend": (4, (2, 2)), "uneven": (2, (2, 1))}
 EXPERTS = 48
@@ -40,6 +40,11 @@ START_TIMEOUT = 240
 def model(tmp_path_factory):
     return write_moe_checkpoint(tmp_path_factory.mktemp("ffn-pods") / "deepseek_v3", "deepseek_v3", seed=3,
                                 experts=EXPERTS)
+
+
+def http_text(port: int, path: str) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+        return response.read().decode()
 
 
 class PodWorld:

@@ -50,4 +50,4 @@ def test_afd_engine_with_default_compilation_equals_plain_vllm(runs):
     afd = runs["afd"]
     assert afd["token_ids"] == plain
     assert afd["experts_classes"] == [["AFDFusedMoE"]]
-    assert_both_ffn_servers_served(afd, "ffn")
+    assert_both_ffn_servers_served(afd)

@@ -17,8 +17,6 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from afd_devcluster import free_port
 from afd_shared_experts.trace import TRACE_DIR_ENV
 
@@ -192,17 +190,6 @@ def http_status(port: int, path: str) -> int | None:
         return err.code
     except OSError:
         return None
-
-
-def http_text(port: int, path: str) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
-        return response.read().decode()
-
-
-def metric_total(exposition: str, name: str, **labels: str) -> float:
-    """The sum of the samples of `name` in a Prometheus text exposition whose labels include `labels`."""
-    return sum(sample.value for family in text_string_to_metric_families(exposition) for sample in family.samples
-               if sample.name == name and labels.items() <= sample.labels.items())
 
 
 def wait_until(predicate, timeout: float, what: str, procs: list[Proc] = ()) -> None:
