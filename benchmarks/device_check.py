@@ -147,11 +147,11 @@ def v3_layer(device: torch.device, partition: str, ffn_ranks: int, max_tokens: i
     remote = RemoteMoE(spec=spec, layer=0, connector=LoopbackFFN(layout, device), num_ffn_ranks=ffn_ranks,
                        placement="ffn", partition=partition, dtype=torch.bfloat16)
     name = f"device-check.{partition}"
-    ops.register(name, remote)
+    ops.register_remote_moe(name, remote)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         ids, weights = route(spec, gate, x)
-        return ops.remote_moe(x, ids, weights, name)
+        return ops.remote_moe(x, [ids, weights], name)
 
     return spec, forward
 

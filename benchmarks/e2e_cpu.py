@@ -4,6 +4,16 @@
 (1 Attention rank + 2 FFN server processes) on a tiny DeepSeek-V2, and placement 'ffn' with the
 FFN servers' torch expert backend instead of vLLM's kernels.
 
+--suite serve: `vllm serve` as a user starts it (vLLM's default compilation unless --eager), on
+a DeepSeek-V3-style checkpoint (hidden 512, 4 layers: one dense, three MoE with 8 routed experts
+of intermediate 256, top-2, one shared expert): plain vLLM on both cores, then AFD with the
+Attention engine pinned to core 0 and one FFN server (1 rank) to core 1, one thread each, with
+1 stage and with the default 2 stages (the plugin's minimum step sizes in force). For each
+concurrency (--concurrency, default 8 and 64) every configuration gets that many requests at
+once, --repeats times, and reports its best output tokens/s; --rounds repeats the whole cycle
+of configurations (the best of all rounds counts), so a change in the machine's load hits them
+all. Printed: tokens/s per configuration and the ratios S=2/S=1 and AFD/plain.
+
 --suite stages: plain vLLM, then AFD with 1, 2 and 3 micro-batch stages under each placement,
 the Attention process on core 0 and one FFN server (1 rank) on core 1, one thread each, on a
 DeepSeek-V2 large enough that attention and expert compute are several ms per layer (--hidden,
@@ -30,11 +40,14 @@ import argparse
 import random
 import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from afd_devcluster.checkpoints import VOCAB, write_vllm_checkpoint
 from afd_shared_experts.trace import read_traces
-from vllm_harness import afd_block, free_port, install_testbed_plugin, run_driver, start_ffn_servers
+from vllm_harness import (afd_block, free_port, http_status, install_testbed_plugin, post_json, run_driver,
+                          served_model, start_ffn_servers, start_vllm_serve, wait_until)
 
 ATTENTION_CORE, FFN_CORE = {0}, {1}
 
@@ -180,9 +193,83 @@ def stages_suite(args, prompts: list[list[int]], root: Path) -> int:
     return 0
 
 
+SERVE_SHAPE = dict(hidden=512, inter=256, experts=8, top_k=2, layers=4, intermediate_size=1024,
+                   num_attention_heads=4, num_key_value_heads=4, qk_nope_head_dim=64, qk_rope_head_dim=64,
+                   v_head_dim=128, kv_lora_rank=256)
+SERVE_START_SECONDS = 900
+
+
+def serve_load(port: int, prompts: list[list[int]], max_tokens: int) -> float:
+    """Output tokens/s of ``prompts`` sent at once (every completion ``max_tokens`` long)."""
+    name = served_model(port)
+    body = {"model": name, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    started = time.monotonic()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        list(pool.map(lambda prompt: post_json(port, "/v1/completions", {**body, "prompt": prompt}, timeout=1800),
+                      prompts))
+    return len(prompts) * max_tokens / (time.monotonic() - started)
+
+
+def serve_configuration(args, model: Path, root: Path, name: str, stages: int | None,
+                        loads: dict[int, list[list[int]]]) -> dict[int, float]:
+    """Best tokens/s per concurrency of one configuration (stages None: plain vLLM on both cores)."""
+    engine = ["--dtype", "float32", "--max-model-len", str(args.prompt_len + args.max_tokens + 16),
+              "--max-num-batched-tokens", str(args.token_budget), "--max-num-seqs", str(max(loads)), "--seed", "0"]
+    if args.eager:
+        engine.append("--enforce-eager")
+    # vLLM's default compilation (the tests' engines disable dynamo to start faster).
+    env = {"TORCHDYNAMO_DISABLE": "0", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
+    port, procs = free_port(), []
+    try:
+        if stages is None:
+            env["OMP_NUM_THREADS"] = "2"
+            api = start_vllm_serve(model, port, root, name, engine_args=engine, env=env, cpus=ATTENTION_CORE | FFN_CORE)
+        else:
+            block = afd_block("attention", port=free_port(), placement="ffn", ffn_ranks=1, stages=stages,
+                              min_split=None)
+            procs += [proc for proc, _ in start_ffn_servers(model, block, root, count=1, tag=f"ffn-{name}",
+                                                            cpus=FFN_CORE, token_budget=args.token_budget)]
+            api = start_vllm_serve(model, port, root, name, block=block, engine_args=engine, env=env,
+                                   cpus=ATTENTION_CORE)
+        procs.append(api)
+        wait_until(lambda: http_status(port, "/health") == 200, SERVE_START_SECONDS, f"{name} serving", procs)
+        serve_load(port, loads[min(loads)][:2], 4)  # warm-up: the first requests of an engine compile kernels
+        return {concurrency: max(serve_load(port, prompts, args.max_tokens) for _ in range(args.repeats))
+                for concurrency, prompts in loads.items()}
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def serve_suite(args, root: Path) -> int:
+    model = write_vllm_checkpoint(root / "model", "deepseek_v3", **SERVE_SHAPE)
+    rng = random.Random(0)
+    loads = {n: [[rng.randrange(3, VOCAB) for _ in range(args.prompt_len)] for _ in range(n)]
+             for n in args.concurrency}
+    configurations = [("plain vLLM (2 cores)", None), ("AFD 1 stage", 1), ("AFD 2 stages", 2)]
+    best: dict[str, dict[int, float]] = {}
+    for round_ in range(args.rounds):
+        for name, stages in configurations:
+            measured = serve_configuration(args, model, root, f"{name.split()[1]}-r{round_}", stages, loads)
+            best[name] = {n: max(best.get(name, {}).get(n, 0.0), tps) for n, tps in measured.items()}
+    print(f"vllm serve, DeepSeek-V3-style (hidden 512, 4 layers, 8 routed experts of 256, top-2, 1 shared), "
+          f"float32, {'eager' if args.eager else 'vLLM default compilation'}, prompts of {args.prompt_len} tokens, "
+          f"{args.max_tokens} new tokens each, --max-num-batched-tokens {args.token_budget}; plain on cores 0-1, "
+          f"AFD Attention on core 0 + 1 FFN rank on core 1, 1 thread each; best of {args.repeats} x {args.rounds} "
+          "round(s), output tok/s")
+    print(f"{'configuration':<24}" + "".join(f"{f'{n} requests':>14}" for n in args.concurrency))
+    for name, _ in configurations:
+        print(f"{name:<24}" + "".join(f"{best[name][n]:>14.1f}" for n in args.concurrency))
+    for n in args.concurrency:
+        plain, one, two = (best[name][n] for name, _ in configurations)
+        print(f"{n} requests: S=2 / S=1 = {two / one:.2f}, AFD S=2 / plain = {two / plain:.2f}, "
+              f"AFD S=1 / plain = {one / plain:.2f}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--suite", choices=("placements", "stages"), default="placements")
+    p.add_argument("--suite", choices=("placements", "stages", "serve"), default="placements")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -194,7 +281,19 @@ def main() -> int:
     p.add_argument("--kv-cache-gib", type=int, default=1,
                    help="--suite stages: vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE), large enough that every "
                         "request runs in every step")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 64], help="--suite serve: requests at once")
+    p.add_argument("--repeats", type=int, default=2, help="--suite serve: loads per configuration and concurrency")
+    p.add_argument("--rounds", type=int, default=1, help="--suite serve: cycles over the configurations")
+    p.add_argument("--token-budget", type=int, default=2048,
+                   help="--suite serve: --max-num-batched-tokens of the engines and the FFN server")
+    p.add_argument("--eager", action="store_true", help="--suite serve: every engine with --enforce-eager")
     args = p.parse_args()
+    if args.suite == "serve":
+        if min(args.concurrency + [args.repeats, args.rounds, args.token_budget]) < 1:
+            p.error("--concurrency, --repeats, --rounds and --token-budget must be >= 1")
+        install_testbed_plugin()
+        with tempfile.TemporaryDirectory() as tmp:
+            return serve_suite(args, Path(tmp))
     if args.hidden % 128:
         p.error(f"--hidden: must be a multiple of 128 (got {args.hidden})")
     if args.layers < 2:

@@ -72,6 +72,22 @@ class SharedExpertsConfig:
     partition: str = "affinity"
 
 
+# Below these step sizes a step runs as one stage whatever num_stages says: each micro-batch
+# costs both sides a fixed amount (launches, messages, a pass over the expert weights), which a
+# small step cannot win back (docs/benchmarks.md, "Where stages pay").
+DEFAULT_MIN_SPLIT_DECODE_TOKENS = 32
+DEFAULT_MIN_SPLIT_PREFILL_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class MinSplitTokens:
+    """The fewest tokens a step needs before it is split into micro-batch stages: ``decode``
+    for steps whose every request schedules one token, ``prefill`` for the others."""
+
+    decode: int = DEFAULT_MIN_SPLIT_DECODE_TOKENS
+    prefill: int = DEFAULT_MIN_SPLIT_PREFILL_TOKENS
+
+
 # --------------------------------------------------------------------------- field parsers
 # Each takes (raw value, field path) and returns the typed value or raises AFDConfigError.
 
@@ -178,13 +194,19 @@ FIELDS = (
     BlockField("data_plane", "data_plane", _choice(DATA_PLANES), "auto", section="connector_extra_config"),
     BlockField("placement", "shared_experts.placement", _choice(PLACEMENTS), "attention", section="shared_experts"),
     BlockField("partition", "shared_experts.partition", _choice(PARTITIONS), "affinity", section="shared_experts"),
+    BlockField("decode", "min_split_tokens.decode", _integer(1), DEFAULT_MIN_SPLIT_DECODE_TOKENS,
+               section="min_split_tokens"),
+    BlockField("prefill", "min_split_tokens.prefill", _integer(1), DEFAULT_MIN_SPLIT_PREFILL_TOKENS,
+               section="min_split_tokens"),
     BlockField("metrics_port", "metrics_port", _optional_port, None),
     BlockField("health_port", "health_port", _optional_port, None),
     BlockField("timeout_seconds", "timeout_seconds", _positive_seconds, DEFAULT_TIMEOUT_SECONDS),
     BlockField("rendezvous_timeout_seconds", "rendezvous_timeout_seconds", _positive_seconds,
                DEFAULT_RENDEZVOUS_TIMEOUT_SECONDS),
 )
-SECTIONS = {"connector_extra_config": ("afd_extra_config",), "shared_experts": ()}
+SECTIONS = {"connector_extra_config": ("afd_extra_config",), "shared_experts": (), "min_split_tokens": ()}
+# AFDConfig attributes that hold a section's fields as a dataclass of their own.
+NESTED = {"shared_experts": SharedExpertsConfig, "min_split_tokens": MinSplitTokens}
 TOP_LEVEL_KEYS = tuple(dict.fromkeys([f.key for f in FIELDS if f.section is None] + list(SECTIONS)))
 KEY_ALIASES = {alias: f.key for f in FIELDS if f.section is None for alias in f.aliases} | \
     {alias: section for section, aliases in SECTIONS.items() for alias in aliases}
@@ -207,6 +229,7 @@ class AFDConfig:
     dynamic_quant: int = 0
     data_plane: str = "auto"
     shared_experts: SharedExpertsConfig = field(default_factory=SharedExpertsConfig)
+    min_split_tokens: MinSplitTokens = field(default_factory=MinSplitTokens)
     metrics_port: int | None = None
     health_port: int | None = None
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
@@ -300,9 +323,10 @@ def _parse_fields(additional_config: Mapping[str, Any]) -> dict[str, Any]:
 def parse_afd_config(additional_config: Mapping[str, Any]) -> AFDConfig:
     """Parse vLLM's ``additional_config`` mapping (which must hold an ``afd`` block)."""
     values = _parse_fields(additional_config)
-    shared = SharedExpertsConfig(**{attr.split(".", 1)[1]: values.pop(attr) for attr in list(values)
-                                    if attr.startswith("shared_experts.")})
-    cfg = AFDConfig(shared_experts=shared, **values)
+    nested = {name: kind(**{attr.split(".", 1)[1]: values.pop(attr) for attr in list(values)
+                            if attr.startswith(f"{name}.")})
+              for name, kind in NESTED.items()}
+    cfg = AFDConfig(**nested, **values)
     _check_rules(cfg)
     return cfg
 

@@ -4,23 +4,31 @@ A model calls ``dispatch`` then ``combine`` where its MoE layer would call its e
 torch.compile and graph capture see two opaque calls with fake implementations (shapes only),
 ordered by the token tensor that ``dispatch`` returns and ``combine`` takes. The real
 implementations look the layer up by name (``register``) and run its ``dispatch`` /
-``combine`` (``attention.RemoteMoE``, or the vLLM glue's layer with its TP shard and gather),
-keeping each pending combine per (layer, stage) in order. Torch only: no vLLM import.
+``combine`` (``attention.RemoteMoE``, or the vLLM glue's layer, which routes, shards for TP,
+hands the Attention side to the next micro-batch and gathers), keeping each pending combine
+per (layer, stage) in order. They run as Python at run time whether the caller is eager,
+compiled or a captured graph's capture. Torch only: no vLLM import.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable, Protocol
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 
-class RemoteLayer(Protocol):
-    def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> object: ...
+@dataclass(frozen=True)
+class RemoteLayer:
+    """What the ops call for one layer: ``dispatch(hidden_states, routing)`` sends its rows and
+    returns what ``combine(pending)`` needs to produce the layer's output. ``routing`` is the
+    tensors the model passes (``[topk_ids, topk_weights]`` for ``RemoteMoE``; the router logits
+    for the vLLM glue, which routes inside)."""
 
-    def combine(self, pending: object) -> torch.Tensor: ...
+    dispatch: Callable[[torch.Tensor, list[torch.Tensor]], object]
+    combine: Callable[[object], torch.Tensor]
 
 
 _layers: dict[str, RemoteLayer] = {}
@@ -36,6 +44,12 @@ def register(name: str, layer: RemoteLayer) -> None:
         _layers[name] = layer
 
 
+def register_remote_moe(name: str, remote) -> None:
+    """An ``attention.RemoteMoE`` under ``name``: routing is ``[topk_ids, topk_weights]``."""
+    register(name, RemoteLayer(dispatch=lambda hidden_states, routing: remote.dispatch(hidden_states, *routing),
+                               combine=remote.combine))
+
+
 def set_stage_source(source: Callable[[], int]) -> None:
     global _current_stage
     _current_stage = source
@@ -48,18 +62,17 @@ def _queue(name: str) -> deque:
 
 
 @torch.library.custom_op("afd::dispatch", mutates_args=())
-def dispatch(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-             layer: str) -> torch.Tensor:
+def dispatch(hidden_states: torch.Tensor, routing: list[torch.Tensor], layer: str) -> torch.Tensor:
     """Send the layer's rows to the FFN ranks; returns the token ``combine`` takes."""
     remote = _layers.get(layer)
     if remote is None:
         raise KeyError(f"afd::dispatch: no remote MoE layer registered as {layer!r} (registered: {sorted(_layers)})")
-    _queue(layer).append(remote.dispatch(hidden_states, topk_ids, topk_weights))
+    _queue(layer).append(remote.dispatch(hidden_states, routing))
     return hidden_states.new_empty(0)
 
 
 @dispatch.register_fake
-def _(hidden_states, topk_ids, topk_weights, layer):
+def _(hidden_states, routing, layer):
     return hidden_states.new_empty(0)
 
 
@@ -77,8 +90,6 @@ def _(token, hidden_states, layer):
     return torch.empty_like(hidden_states)
 
 
-def remote_moe(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-               layer: str) -> torch.Tensor:
+def remote_moe(hidden_states: torch.Tensor, routing: list[torch.Tensor], layer: str) -> torch.Tensor:
     """dispatch then combine: the whole remote MoE of one layer."""
-    return torch.ops.afd.combine(torch.ops.afd.dispatch(hidden_states, topk_ids, topk_weights, layer), hidden_states,
-                                 layer)
+    return torch.ops.afd.combine(torch.ops.afd.dispatch(hidden_states, routing, layer), hidden_states, layer)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from .config import MinSplitTokens
+
 
 class StageSlice(NamedTuple):
     """Requests [req_start, req_stop) and their tokens [tok_start, tok_stop) of one micro-batch."""
@@ -48,3 +50,14 @@ def stage_plan(tokens_per_request: Sequence[int], stages: int) -> list[StageSlic
     cuts.append(requests)
     return [StageSlice(start, stop, ends[start - 1] if start else 0, ends[stop - 1])
             for start, stop in zip(cuts, cuts[1:])]
+
+
+def step_stages(tokens_per_request: Sequence[int], stages: int, min_split: MinSplitTokens) -> int:
+    """How many stages a step runs: ``stages`` once the step holds at least its phase's minimum
+    tokens (``min_split.decode`` when every request schedules one token, ``min_split.prefill``
+    otherwise), else 1. A small step split in two pays each micro-batch's fixed costs twice
+    and gains less overlap than that."""
+    if stages == 1 or not tokens_per_request:
+        return 1
+    decode = max(tokens_per_request) == 1
+    return stages if sum(tokens_per_request) >= (min_split.decode if decode else min_split.prefill) else 1

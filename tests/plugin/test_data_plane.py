@@ -221,11 +221,11 @@ def test_custom_ops_compile_whole_and_keep_dispatch_before_combine(checkpoints):
         layer = spec.moe_layers[0]
         moe = world.layers[0][layer]
         name = f"test.layers.{layer}"
-        ops.register(name, moe.remote)
+        ops.register_remote_moe(name, moe.remote)
 
         def forward(x):
             ids, weights = route(spec, moe.gate, x)
-            return ops.remote_moe(x, ids, weights, name) * 2
+            return ops.remote_moe(x, [ids, weights], name) * 2
 
         compiled = torch.compile(forward, fullgraph=True, backend="aot_eager", dynamic=True)
         for tokens in (5, 9, 1):
@@ -240,8 +240,8 @@ def test_custom_ops_have_shape_only_implementations():
 
     with FakeTensorMode():
         x = torch.empty(7, 16, dtype=torch.bfloat16)
-        token = torch.ops.afd.dispatch(x, torch.empty(7, 2, dtype=torch.int64), torch.empty(7, 2), "unregistered")
+        token = torch.ops.afd.dispatch(x, [torch.empty(7, 2, dtype=torch.int64), torch.empty(7, 2)], "unregistered")
         out = torch.ops.afd.combine(token, x, "unregistered")
     assert token.shape == (0,) and (out.shape, out.dtype) == ((7, 16), torch.bfloat16)
     with pytest.raises(KeyError, match="no remote MoE layer registered as 'unregistered'"):
-        torch.ops.afd.dispatch(torch.zeros(1, 4), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1), "unregistered")
+        torch.ops.afd.dispatch(torch.zeros(1, 4), [torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)], "unregistered")

@@ -6,8 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from afd_shared_experts.config import (
-    CONNECTORS, DATA_PLANES, EXTRA_KEYS, FIELDS, MAX_STAGES, PARTITIONS, PLACEMENTS, REQUIRED, ROLES, SHARED_KEYS,
-    TOP_LEVEL_KEYS, AFDConfig, AFDConfigError, SharedExpertsConfig, parse_afd_config, stage_limit,
+    CONNECTORS, DATA_PLANES, EXTRA_KEYS, FIELDS, MAX_STAGES, NESTED, PARTITIONS, PLACEMENTS, REQUIRED, ROLES, SHARED_KEYS,
+    TOP_LEVEL_KEYS, AFDConfig, AFDConfigError, MinSplitTokens, SharedExpertsConfig, parse_afd_config, stage_limit,
 )
 
 BASE = {"role": "attention", "num_attention_ranks": 4, "num_ffn_ranks": 2}
@@ -65,6 +65,9 @@ def test_afd_plugin_aliases_and_string_numbers():
     ({"rendezvous_timeout_seconds": -5}, "afd.rendezvous_timeout_seconds", "positive"),
     ({"rendezvous_timeout_seconds": True}, "afd.rendezvous_timeout_seconds", "positive"),
     ({"role": "ffn", "afd_role": "ffn"}, "afd.afd_role", "duplicates"),
+    ({"min_split_tokens": {"decode": 0}}, "afd.min_split_tokens.decode", ">= 1"),
+    ({"min_split_tokens": {"prefill": "many"}}, "afd.min_split_tokens.prefill", "must be an integer"),
+    ({"min_split_tokens": {"mixed": 3}}, "afd.min_split_tokens.mixed", "unknown key"),
 ])
 def test_rejections_name_field_and_rule(afd, path, rule):
     with pytest.raises(AFDConfigError) as info:
@@ -120,6 +123,7 @@ def afd_configs(draw) -> AFDConfig:
         dynamic_quant=0 if ffn_placement else draw(st.integers(min_value=0, max_value=1)),
         data_plane=draw(st.sampled_from(DATA_PLANES)),
         shared_experts=SharedExpertsConfig(placement=placement, partition=draw(st.sampled_from(PARTITIONS))),
+        min_split_tokens=MinSplitTokens(decode=draw(st.integers(1, 1 << 20)), prefill=draw(st.integers(1, 1 << 20))),
         metrics_port=metrics_port,
         health_port=health_port,
         timeout_seconds=draw(st.floats(min_value=1e-3, max_value=1e6, allow_nan=False)),
@@ -182,8 +186,8 @@ def test_stage_limit_allows_every_stage_count_on_cpu():
 def test_every_config_attribute_has_exactly_one_block_field():
     """AFDConfig, its builder, ``to_block`` and the parser follow config.FIELDS: an attribute
     added to the dataclass without a field there (or the other way round) fails here."""
-    attributes = {f.name for f in dataclasses.fields(AFDConfig) if f.name != "shared_experts"}
-    attributes |= {f"shared_experts.{f.name}" for f in dataclasses.fields(SharedExpertsConfig)}
+    attributes = {f.name for f in dataclasses.fields(AFDConfig) if f.name not in NESTED}
+    attributes |= {f"{name}.{f.name}" for name, kind in NESTED.items() for f in dataclasses.fields(kind)}
     table = [block_field.attr for block_field in FIELDS]
     assert sorted(table) == sorted(attributes) and len(set(table)) == len(table)
     paths = [block_field.path for block_field in FIELDS]

@@ -2,7 +2,8 @@
 
 import pytest
 
-from afd_shared_experts.stages import StageSlice, stage_plan
+from afd_shared_experts.config import MinSplitTokens
+from afd_shared_experts.stages import StageSlice, stage_plan, step_stages
 
 
 def test_decode_steps_split_evenly():
@@ -42,3 +43,16 @@ def test_stages_cover_the_step_in_order_each_with_a_request(tokens, stages):
 def test_stages_must_be_positive():
     with pytest.raises(ValueError, match="stages must be >= 1"):
         stage_plan([1, 1], 0)
+
+
+@pytest.mark.parametrize("tokens, expected", [
+    ([1] * 31, 1),  # a decode step below the decode minimum runs unsplit
+    ([1] * 32, 2),
+    ([1] * 200, 2),
+    ([40, 1, 1], 1),  # holds a prefill: the prefill minimum applies, not the decode one
+    ([500, 12], 2),
+    ([], 1),
+])
+def test_a_step_is_split_only_once_it_holds_its_phases_minimum(tokens, expected):
+    assert step_stages(tokens, 2, MinSplitTokens(decode=32, prefill=512)) == expected
+    assert step_stages(tokens, 1, MinSplitTokens(decode=1, prefill=1)) == 1

@@ -72,6 +72,9 @@ AFD_SERVE_STAGES = {"qwen2_moe": 2}
 # 2 stages, placement 'ffn', requests alone and at once), so it has no phase here.
 EVERY_STAGES_AND_PLACEMENT = tuple((stages, placement) for stages in (1, 2, 3) for placement in ("attention", "ffn"))
 DP2_PHASES = {"deepseek_v3": EVERY_STAGES_AND_PLACEMENT, "qwen2_moe": EVERY_STAGES_AND_PLACEMENT}
+# The first test using the DP 2 phases sets all of them up (seven vLLM processes and two FFN
+# servers each, on two cores): 90 to 150 s a phase measured, more than the suite's 600 s per test.
+DP2_TIMEOUT = 200 * len(EVERY_STAGES_AND_PLACEMENT)
 # The restart of both sides re-runs the rendezvous, which no model changes: the model whose
 # AFD phase runs 2 stages.
 RESTART_MODELS = ("qwen2_moe",)
@@ -339,6 +342,7 @@ def test_restart_of_both_sides_recovers(restarted, reference):
     assert text_and_ids(restarted) == text_and_ids(reference)
 
 
+@pytest.mark.timeout(DP2_TIMEOUT)
 def test_attention_data_parallel_2_answers_like_plain_vllm(data_parallel_2, reference):
     for phase in data_parallel_2:
         # An FFN server is ready only once the whole 2 + 2 world joined: both engine cores are in.
@@ -346,6 +350,7 @@ def test_attention_data_parallel_2_answers_like_plain_vllm(data_parallel_2, refe
         assert text_and_ids(phase["completions"]) == text_and_ids(reference), phase["phase"]
 
 
+@pytest.mark.timeout(DP2_TIMEOUT)
 def test_requests_sent_at_once_answer_like_plain_vllm(data_parallel_2, reference):
     for phase in data_parallel_2:
         for completions_of_round in phase["concurrent"]:
@@ -354,6 +359,7 @@ def test_requests_sent_at_once_answer_like_plain_vllm(data_parallel_2, reference
         assert len(phase["long"]["token_ids"]) == LONG_TOKENS, phase["phase"]
 
 
+@pytest.mark.timeout(DP2_TIMEOUT)
 def test_steps_run_in_stages_overlapping_the_ffn_with_one_expert_pass_per_stage(data_parallel_2):
     for phase in data_parallel_2:
         stages = phase["stages"]
@@ -373,6 +379,7 @@ def test_steps_run_in_stages_overlapping_the_ffn_with_one_expert_pass_per_stage(
         assert overlapped_layers(phase["traces"]) > 0, phase["phase"]
 
 
+@pytest.mark.timeout(DP2_TIMEOUT)
 def test_ffn_servers_end_with_exit_0_after_the_attention_side_is_terminated(data_parallel_2):
     # Each Attention rank's worker exits normally and sends its shutdown notice (vLLM's default
     # --shutdown-timeout 0 force-kills the workers: the FFN servers then fail on a closed

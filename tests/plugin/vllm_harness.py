@@ -67,14 +67,22 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# The stage tests split every step that has two requests (the plugin's own minimum step sizes
+# keep small steps whole: ``min_split=None`` leaves them in force).
+SPLIT_EVERY_STEP = {"decode": 1, "prefill": 1}
+
+
 def afd_block(role: str, *, port: int, attention_ranks: int = 1, ffn_ranks: int = 2, placement: str = "ffn",
-              partition: str = "affinity", tp: int = 1, stages: int = 1) -> dict:
+              partition: str = "affinity", tp: int = 1, stages: int = 1,
+              min_split: dict | None = SPLIT_EVERY_STEP) -> dict:
     """The afd block as the operator renders it (afd_operator.planner.afd_config)."""
-    return {"afd": {"role": role, "connector": "p2p", "async": True, "host": "127.0.0.1", "port": port,
-                    "num_attention_ranks": attention_ranks, "num_ffn_ranks": ffn_ranks, "num_stages": stages,
-                    "compute_gate_on_attention": True, "connector_extra_config": {"attn_ranks_per_dp": tp},
-                    "shared_experts": {"placement": placement, "partition": partition},
-                    "timeout_seconds": 120}}
+    block = {"role": role, "connector": "p2p", "async": True, "host": "127.0.0.1", "port": port,
+             "num_attention_ranks": attention_ranks, "num_ffn_ranks": ffn_ranks, "num_stages": stages,
+             "compute_gate_on_attention": True, "connector_extra_config": {"attn_ranks_per_dp": tp},
+             "shared_experts": {"placement": placement, "partition": partition}, "timeout_seconds": 120}
+    if min_split is not None:
+        block["min_split_tokens"] = min_split
+    return {"afd": block}
 
 
 def pinned_to(cpus: set[int] | None):
@@ -134,13 +142,15 @@ SERVE_ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len",
 
 def start_vllm_serve(model: Path, api_port: int, logdir: Path, name: str, *, block: dict | None = None,
                      data_parallel: int = 1, tensor_parallel: int = 1, extra_args: tuple[str, ...] = (),
-                     trace_dir: Path | None = None, env: dict[str, str] | None = None) -> Proc:
+                     trace_dir: Path | None = None, env: dict[str, str] | None = None,
+                     engine_args: list[str] = SERVE_ENGINE_ARGS, cpus: set[int] | None = None) -> Proc:
     """`vllm serve` (the real console script) on 127.0.0.1:api_port, parallel flags and the
     head's metrics directory as the operator renders them (plus `extra_args`); `block` is the
     afd config (None: plain vLLM); `trace_dir`: where the Attention ranks write their stage
-    traces (trace.py); `env`: laid over base_env."""
+    traces (trace.py); `env`: laid over base_env; `engine_args`: the engine's own flags (the
+    tests': eager, small limits); `cpus`: the cores it runs on (default any)."""
     argv = [vllm_console_script(), "serve", str(model), "--host", "127.0.0.1", "--port", str(api_port),
-            *SERVE_ENGINE_ARGS, "--tensor-parallel-size", str(tensor_parallel), "--data-parallel-size", str(data_parallel),
+            *engine_args, "--tensor-parallel-size", str(tensor_parallel), "--data-parallel-size", str(data_parallel),
             "--data-parallel-size-local", str(data_parallel), "--data-parallel-address", "127.0.0.1",
             "--data-parallel-rpc-port", str(free_port())]
     if block is not None:
@@ -149,7 +159,7 @@ def start_vllm_serve(model: Path, api_port: int, logdir: Path, name: str, *, blo
     metrics_dir = logdir / f"{name}-prometheus"
     metrics_dir.mkdir()
     return Proc(argv, logdir / f"{name}.log",
-                base_env(PROMETHEUS_MULTIPROC_DIR=str(metrics_dir), **trace_env(trace_dir), **(env or {})))
+                base_env(PROMETHEUS_MULTIPROC_DIR=str(metrics_dir), **trace_env(trace_dir), **(env or {})), cpus)
 
 
 def trace_env(trace_dir: Path | None) -> dict[str, str]:

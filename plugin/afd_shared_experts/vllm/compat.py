@@ -1,5 +1,5 @@
 """What the vLLM glue needs of vLLM: the pinned version, the ``afd`` block of a VllmConfig, and
-the graph-mode decision for AFD engines.
+the engine-config hook (graph mode and worker of AFD engines).
 
 Imports nothing from vLLM at module level, so the FFN server can check the version before it
 pays for a vLLM import, and every glue module can read the afd block without importing the
@@ -19,10 +19,10 @@ SUPPORTED_VLLM_VERSION = "0.23.0"
 logger = logging.getLogger(__name__)
 
 EAGER_REASON = (
-    "the remote MoE of every layer does host-side work (row counts, routing tables) and point-to-point "
-    "calls to the FFN servers inside the model forward: a captured CUDA/ACL graph would skip them at "
-    "replay and torch.compile cannot trace them, so an AFD Attention engine runs eager "
-    "(as with --enforce-eager: no torch.compile, no graph capture)")
+    "off vLLM's CPU platform the compiled model would be captured in CUDA/ACL graphs, whose replay skips the remote "
+    "MoE's host-side work (frame pool, gloo sends on the staged plane); splitting the graphs at afd::dispatch / "
+    "afd::combine with the CUDA-graph mode held at PIECEWISE has not run on a GPU or NPU, so an AFD Attention engine "
+    "runs eager there (as with --enforce-eager)")
 
 
 class VLLMVersionError(RuntimeError):
@@ -74,14 +74,15 @@ def afd_config_of(vllm_config: Any) -> AFDConfig | None:
     return cfg
 
 
-class EagerForAFD:
+class AFDConfigHook:
     """The ``MODELS_CONFIG_MAP`` entry of one AFD-capable architecture: vLLM 0.23.0 calls
     ``verify_and_update_config`` first thing in ``VllmConfig.__post_init__``, before it derives
     the compilation mode and CUDA-graph mode from ``enforce_eager`` and before the platform's
-    ``check_and_update_config`` (vllm-ascend's sets up ACL graphs there). Setting
-    ``enforce_eager`` then is exactly ``--enforce-eager`` for every process of the engine (the
-    config is built once and shipped to the engine core and workers). The entry in force before
-    (none for these architectures in 0.23.0) still runs first."""
+    ``check_and_update_config`` (vllm-ascend's sets up ACL graphs there). With an afd block it
+    sets the graph mode (``force_eager_for_afd``) and the worker (``install_staged_worker``) for
+    every process of the engine (the config is built once and shipped to the engine core and
+    workers). The entry in force before (none for these architectures in 0.23.0) still runs
+    first."""
 
     def __init__(self, upstream: Any = None):
         self.upstream = upstream
@@ -98,8 +99,15 @@ class EagerForAFD:
 
 
 def force_eager_for_afd(vllm_config: Any) -> None:
-    """An engine with an afd block runs eager, whatever compilation settings it was given."""
+    """An engine with an afd block runs eager, whatever compilation settings it was given,
+    except on vLLM's CPU platform, where it compiles as plain vLLM does (one Dynamo trace,
+    inductor, no graphs): the remote MoE is two custom ops there (``ops.py``), which the
+    compiled model calls as they are."""
     if afd_config_of(vllm_config) is None:
+        return
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
         return
     model_config = vllm_config.model_config
     if model_config.enforce_eager:
@@ -141,11 +149,11 @@ def install_staged_worker(vllm_config: Any) -> None:
     logger.info("afd: %d micro-batch stages per step: worker %s", cfg.num_stages, STAGED_WORKER)
 
 
-def install_eager_for_afd(architectures) -> None:
-    """Idempotent: every AFD-capable architecture's config entry forces eager under an afd block."""
+def install_config_hooks(architectures) -> None:
+    """Idempotent: every AFD-capable architecture's config entry is an ``AFDConfigHook``."""
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     for arch in architectures:
         current = MODELS_CONFIG_MAP.get(arch)
-        if not isinstance(current, EagerForAFD):
-            MODELS_CONFIG_MAP[arch] = EagerForAFD(current)
+        if not isinstance(current, AFDConfigHook):
+            MODELS_CONFIG_MAP[arch] = AFDConfigHook(current)

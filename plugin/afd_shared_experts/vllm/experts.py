@@ -32,6 +32,7 @@ from ..config import AFDConfig
 from ..connector import P2PConnector
 from ..metrics import RuntimeMetrics
 from ..model import MoESpec, SharedExpertWeights, load_spec
+from ..ops import RemoteLayer, register, remote_moe, set_stage_source
 from ..roles import attention_role_rank
 from ..tp import all_gather_and_trim, shard_tokens
 from ..wire import WireLayout
@@ -75,6 +76,7 @@ class AttentionRank:
         self.connector.init()
         # Micro-batches of the step the model forward is running (set by the model wrapper).
         self.step_stages = 1
+        set_stage_source(current_stage)
         # Tells the FFN servers this rank is done, so they end cleanly with the engine. Not
         # atexit: vLLM's workers are forked multiprocessing children, which leave through
         # os._exit after running multiprocessing's own exit finalizers (these), never atexit.
@@ -165,6 +167,7 @@ class AFDFusedMoE(FusedMoE):
             spec=rank.spec, layer=layer, connector=rank.connector, num_ffn_ranks=cfg.num_ffn_ranks,
             placement=placement, partition=cfg.shared_experts.partition, dtype=vllm_config.model_config.dtype,
             shared=shared, metrics=rank.metrics)
+        register(prefix, RemoteLayer(dispatch=self.afd_dispatch, combine=self.afd_combine))
 
     @property
     def is_internal_router(self) -> bool:
@@ -172,24 +175,34 @@ class AFDFusedMoE(FusedMoE):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor,
                 input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        topk_weights, topk_ids = self.expert_selection(hidden_states, router_logits)
+        # Two custom ops: a compiled model keeps them as opaque calls, run as Python at run time.
+        return remote_moe(hidden_states, [router_logits], self.layer_name)
+
+    def afd_dispatch(self, hidden_states: torch.Tensor, routing: list[torch.Tensor]) -> tuple[object, int]:
+        """``afd::dispatch`` of this layer: route as plain vLLM does, send this rank's rows."""
+        topk_weights, topk_ids = self.expert_selection(hidden_states, routing[0])
         rank = self.rank
         stage = dict(stage=current_stage(), stages=rank.step_stages)
         if rank.tp_size == 1:
             # Idle DP steps arrive here too (dummy rows): they are dispatched like any other
-            # step, and an empty batch still sends header-only work to every FFN rank.
-            pending = self.remote.dispatch(hidden_states, topk_ids, topk_weights, **stage)
-            stage_yield()  # the next micro-batch computes while the FFN side holds this one
-            return self.remote.combine(pending)
+            # step, and an empty batch still sends header-only frames to every FFN rank.
+            return self.remote.dispatch(hidden_states, topk_ids, topk_weights, **stage), hidden_states.shape[0]
         # Every TP rank holds all tokens after the attention all-reduce: each dispatches its
         # ceil(T/TP) shard and all join the gather, also with an all-padding shard.
         x, real = shard_tokens(hidden_states, rank.tp_rank, rank.tp_size)
         ids, _ = shard_tokens(topk_ids, rank.tp_rank, rank.tp_size)
         weights, _ = shard_tokens(topk_weights, rank.tp_rank, rank.tp_size)
-        pending = self.remote.dispatch(x, ids, weights, num_tokens=real, **stage)
+        return self.remote.dispatch(x, ids, weights, num_tokens=real, **stage), hidden_states.shape[0]
+
+    def afd_combine(self, dispatched: tuple[object, int]) -> torch.Tensor:
+        """``afd::combine`` of this layer: the next micro-batch computes while the FFN side holds
+        this one, then this rank's output (gathered over TP)."""
+        pending, num_tokens = dispatched
         stage_yield()
         out = self.remote.combine(pending)
-        return all_gather_and_trim(out, hidden_states.shape[0], rank.tp_group)
+        if self.rank.tp_size == 1:
+            return out
+        return all_gather_and_trim(out, num_tokens, self.rank.tp_group)
 
 
 @contextmanager

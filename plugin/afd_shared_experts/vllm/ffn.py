@@ -163,11 +163,21 @@ class VllmLayerExperts:
             yield
 
     def routed(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        # Router logits marking each row's expert: the layer's own top-1 routing picks it, and
-        # renormalizing a single weight makes it exactly 1, so the output is E_i(x) unweighted.
-        # Routing is left to the layer because monolithic kernels (vLLM's CPU ones) route inside.
         experts = torch.arange(len(counts), device=rows.device)
         marked = torch.repeat_interleave(experts, torch.tensor(counts, device=rows.device))
+        kernel = getattr(self.routed_experts.quant_method, "cpu_fused_moe", None)
+        if hasattr(kernel, "forward_method"):
+            from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+            # vLLM's CPU experts (grouped GEMM, or its per-expert fallback) in one call on the rows
+            # as they arrived, each with its expert and weight 1: no router runs.
+            ids = marked.to(torch.int32)[:, None]
+            return kernel.forward_method(self.routed_experts, rows, torch.ones(ids.shape, dtype=torch.float32,
+                                                                                device=rows.device),
+                                         ids, MoEActivation.SILU, len(counts))
+        # Elsewhere the layer routes inside its kernels: router logits marking each row's expert
+        # make its top-1 routing pick it, and renormalizing a single weight makes it exactly 1,
+        # so the output is E_i(x) unweighted.
         router_logits = F.one_hot(marked, len(counts)).to(torch.float32)
         with self._vllm_forward(rows.shape[0]):
             return self.routed_experts(rows, router_logits)

@@ -25,7 +25,7 @@ _registered = False
 
 
 def register() -> None:
-    """Idempotent: registers the AFD model wrappers, the ``afd`` load format and the eager-mode
+    """Idempotent: registers the AFD model wrappers, the ``afd`` load format and the engine
     config hook once per process."""
     global _registered
     if _registered:
@@ -33,15 +33,16 @@ def register() -> None:
     from vllm import ModelRegistry
     from vllm.model_executor.model_loader import register_model_loader
 
-    from .compat import install_eager_for_afd
+    from .compat import install_config_hooks
     from .cpu_patches import apply_cpu_patches
     from .loader import LOAD_FORMAT, AFDAttentionModelLoader
 
     for arch, target in MODEL_WRAPPERS.items():
         ModelRegistry.register_model(arch, target)
     register_model_loader(LOAD_FORMAT)(AFDAttentionModelLoader)
-    # Before any VllmConfig exists: an engine with an afd block runs eager (docs/compat.md).
-    install_eager_for_afd(MODEL_WRAPPERS)
+    # Before any VllmConfig exists: the graph mode and worker of engines with an afd block
+    # (docs/compat.md).
+    install_config_hooks(MODEL_WRAPPERS)
     # vLLM 0.23.0's CPU fused MoE cannot run SiLU without AVX512, and its CPU rotary kernel
     # mis-rotates 3-D query/key (docs/compat.md); plain models too.
     apply_cpu_patches()

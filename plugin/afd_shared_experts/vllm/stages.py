@@ -28,7 +28,8 @@ from vllm.utils import torch_utils
 from vllm.v1.worker.ubatch_utils import UBatchSlice
 from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_enabled, dbo_yield, make_ubatch_contexts
 
-from ..stages import stage_plan
+from ..config import MinSplitTokens
+from ..stages import stage_plan, step_stages
 
 
 class StagesAborted(RuntimeError):
@@ -55,10 +56,12 @@ def stage_yield() -> None:
 
 class StagedRunnerMixin:
     """Hooks of a vLLM 0.23.0 ``GPUModelRunner`` subclass (the CPU runner derives from it) that
-    split each real step into request-aligned micro-batches. Dummy and profiling runs
-    (``_dummy_run``) are never split; nor are padded batches (CUDA-graph sizes)."""
+    split each real step into request-aligned micro-batches once it holds enough tokens
+    (``stages.step_stages``). Dummy and profiling runs (``_dummy_run``) are never split; nor are
+    padded batches (CUDA-graph sizes)."""
 
     afd_num_stages = 1
+    afd_min_split = MinSplitTokens()
     afd_stage_slices: list[UBatchSlice] | None = None
     _afd_in_step = False
 
@@ -74,7 +77,8 @@ class StagedRunnerMixin:
                                                                 *args, **kwargs)
         batch_descriptor = result[1]
         if self._afd_in_step and self.afd_num_stages > 1 and batch_descriptor.num_tokens == num_tokens:
-            plan = stage_plan(num_scheduled_tokens_np[:num_reqs].tolist(), self.afd_num_stages)
+            tokens = num_scheduled_tokens_np[:num_reqs].tolist()
+            plan = stage_plan(tokens, step_stages(tokens, self.afd_num_stages, self.afd_min_split))
             self.afd_stage_slices = [UBatchSlice(slice(s.req_start, s.req_stop), slice(s.tok_start, s.tok_stop))
                                      for s in plan] if len(plan) > 1 else None
         return result

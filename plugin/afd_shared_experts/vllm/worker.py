@@ -24,4 +24,5 @@ class AFDCPUWorker(CPUWorker):
         # The subclass adds hooks and no state of its own: swapping the class of the runner
         # upstream built keeps its construction exactly upstream's.
         self.model_runner.__class__ = AFDStagedCPUModelRunner
-        self.model_runner.afd_num_stages = afd_config_of(self.vllm_config).num_stages
+        cfg = afd_config_of(self.vllm_config)
+        self.model_runner.afd_num_stages, self.model_runner.afd_min_split = cfg.num_stages, cfg.min_split_tokens
