@@ -9,33 +9,23 @@ DeepSeek-V2, every process free to use every core. Each variant serves sequentia
 for --seconds; the script prints requests served and CPU seconds used by all the processes,
 and the ratio of requests per CPU second between the variants.
 
-Run through the repo's environments (this script does not import vllm):
-    AFD_VLLM_PYTHON="$(scripts/vllm-env.sh)/bin/python" $(scripts/dev-env.sh)/bin/python benchmarks/cpu_threads.py
+Run through the repo's environments (this script does not import vllm; tests/plugin on
+PYTHONPATH for the tests' vLLM process helpers):
+    PYTHONPATH=tests/plugin AFD_VLLM_PYTHON="$(scripts/vllm-env.sh)/bin/python" \
+        $(scripts/dev-env.sh)/bin/python benchmarks/cpu_threads.py
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "plugin"))
-from vllm_harness import (  # noqa: E402  (the tests' checkpoint writer and process helpers)
-    PROMPTS,
-    afd_block,
-    complete,
-    free_port,
-    http_status,
-    install_testbed_plugin,
-    served_model,
-    start_ffn_servers,
-    start_vllm_serve,
-    wait_until,
-    write_vllm_checkpoint,
-)
+from afd_devcluster.checkpoints import write_vllm_checkpoint
+from vllm_harness import (PROMPTS, afd_block, complete, free_port, http_status, install_testbed_plugin, served_model,
+                          start_ffn_servers, start_vllm_serve, wait_until)
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -26,8 +26,9 @@ overlap it), the steps run, what a second micro-batch costs each side, and the S
 perfect pipeline could reach from S=1's measured parts.
 
 Run through the repo's environments (the vLLM venv runs the engines, this script does not
-import vllm):
-    AFD_VLLM_PYTHON="$(scripts/vllm-env.sh)/bin/python" $(scripts/dev-env.sh)/bin/python benchmarks/e2e_cpu.py
+import vllm; tests/plugin on PYTHONPATH for the tests' vLLM process helpers):
+    PYTHONPATH=tests/plugin AFD_VLLM_PYTHON="$(scripts/vllm-env.sh)/bin/python" \
+        $(scripts/dev-env.sh)/bin/python benchmarks/e2e_cpu.py
 All prompts are scheduled together (the scheduler's limits are raised to the whole batch), so
 one decode step yields one token per prompt: tokens/s
 = prompts x max_tokens / generate time; mean step latency = generate time / max_tokens.
@@ -43,24 +44,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "plugin"))
-from vllm_harness import (  # noqa: E402  (the tests' checkpoint writer and process helpers)
-    VOCAB,
-    afd_block,
-    free_port,
-    http_status,
-    install_testbed_plugin,
-    post_json,
-    run_driver,
-    served_model,
-    start_ffn_servers,
-    start_vllm_serve,
-    wait_until,
-    write_vllm_checkpoint,
-)
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))
-from afd_shared_experts.trace import read_traces  # noqa: E402
+from afd_devcluster.checkpoints import VOCAB, write_vllm_checkpoint
+from afd_shared_experts.trace import read_traces
+from vllm_harness import (afd_block, free_port, http_status, install_testbed_plugin, post_json, run_driver,
+                          served_model, start_ffn_servers, start_vllm_serve, wait_until)
 
 ATTENTION_CORE, FFN_CORE = {0}, {1}
 

@@ -1,6 +1,6 @@
-"""The fast tier of the reconciler's tests: an in-process stand-in for `Writer` that keeps
+"""The unit tier of the reconciler's tests: an in-process stand-in for `Writer` that keeps
 the objects it is sent, records every call, plays kubelet for the pods (Running and Ready
-on request) and refuses the writes a test asks it to refuse. The real API tier is
+on request) and refuses the writes a test asks it to refuse. The API-server tier is
 tests/test_operator.py and tests/test_operator_prefix_names.py."""
 
 from __future__ import annotations

@@ -6,13 +6,9 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-import pytest
-
 from afd_devcluster import OPERATOR_USER
 from k8s_helpers import wait_for
 from operator_env import CONVERGE_SECONDS, Env, base_spec, env, kubelet, operator  # noqa: F401 (fixtures)
-
-pytestmark = pytest.mark.apiserver
 
 QUOTA = "no-pods"
 

@@ -19,8 +19,6 @@ from afd_operator.validation import validate_object
 from afd_devcluster import ControlPlane
 from k8s_helpers import DELETE, delete_afddeployments, set_path
 
-pytestmark = pytest.mark.apiserver
-
 THIRD_PARTY_CRDS = Path(__file__).parent / "fixtures" / "third-party-crds.yaml"
 # The 1.20 test server predates policy/v1 PodDisruptionBudget (1.21); the v1beta1 schema of
 # the fields rendered (maxUnavailable, selector) is the same.

@@ -223,7 +223,6 @@ def dry_run_cluster(cluster: ControlPlane, repo_root: Path) -> ControlPlane:
     return cluster
 
 
-@pytest.mark.apiserver
 @pytest.mark.parametrize("values", VALUE_SETS, ids=list(VALUE_SETS))
 def test_rendered_objects_are_valid(helm: Helm, repo_root: Path, dry_run_cluster: ControlPlane, values: str) -> None:
     objects = render(helm, repo_root, *VALUE_SETS[values], namespace="chart-dry-run")
@@ -345,7 +344,6 @@ def walkthrough(cluster: ControlPlane, api_client, helm4: Helm, repo_root: Path,
             cluster.kubectl("apply", "-f", str(repo_root / "crds" / CRD_FILE))
 
 
-@pytest.mark.apiserver
 def test_install_walkthrough_converged_and_rolled(walkthrough: Walkthrough) -> None:
     obj = json.loads(walkthrough.cluster.kubectl("get", "afd", "tiny-cpu", "-n", DEMO_NS, "-o", "json").stdout)
     ready = next(c for c in obj["status"]["conditions"] if c["type"] == "Ready")
@@ -378,7 +376,6 @@ CANNOT = [("get", "secrets", ""), ("list", "secrets", ""), ("watch", "secrets", 
           ("patch", "endpointslices.discovery.k8s.io", ""), ("*", "*", "")]
 
 
-@pytest.mark.apiserver
 @pytest.mark.parametrize("verb, resource, subresource, allowed",
                          [(*c, True) for c in CAN] + [(*c, False) for c in CANNOT],
                          ids=[f"can-{v}-{r}{'/' + s if s else ''}" for v, r, s in CAN]
@@ -392,7 +389,6 @@ def test_service_account_can_do_exactly_what_the_operator_needs(walkthrough: Wal
     assert result.stdout.strip() == ("yes" if allowed else "no"), result.stdout + result.stderr
 
 
-@pytest.mark.apiserver
 def test_operator_on_the_chart_token_was_never_forbidden(walkthrough: Walkthrough) -> None:
     events = walkthrough.cluster.audit_events(SERVICE_ACCOUNT, since=walkthrough.operator_started_at)
     writes = {(e["verb"], e["objectRef"]["resource"]) for e in events if e["verb"] in ("create", "patch", "delete")}
@@ -402,7 +398,6 @@ def test_operator_on_the_chart_token_was_never_forbidden(walkthrough: Walkthroug
     assert forbidden == []
 
 
-@pytest.mark.apiserver
 def test_chart_webhook_rejects_an_invalid_afddeployment(walkthrough: Walkthrough, repo_root: Path) -> None:
     doc = yaml.safe_load((repo_root / "examples" / "cpu-tiny.yaml").read_text())
     doc["metadata"]["name"] = "invalid"
@@ -413,7 +408,6 @@ def test_chart_webhook_rejects_an_invalid_afddeployment(walkthrough: Walkthrough
     assert "spec.ffn.ranks: must divide model.routedExperts (8)" in result.stderr
 
 
-@pytest.mark.apiserver
 def test_uninstall_keeps_the_crd(walkthrough: Walkthrough, repo_root: Path) -> None:
     commands = [c for section, c in doc_commands(repo_root) if section == "Uninstall"]
     crd = "crd/afddeployments.afd.inference.dev"

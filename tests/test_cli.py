@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,12 +67,6 @@ def test_multi_document_and_yaml_errors(tmp_path: Path, examples: list[Path]) ->
     assert code == 1 and f"{broken}: <yaml>:" in err
 
 
-def test_usage_errors_exit_2(tmp_path: Path) -> None:
-    assert run("validate", "-f", str(tmp_path / "missing.yaml"))[0] == 2
-    assert run("frobnicate")[0] == 2
-    assert run()[0] == 2
-
-
 def test_plan_table(examples: list[Path]) -> None:
     small = next(p for p in examples if p.name == "small-ascend.yaml")
     code, out, _ = run("plan", "-f", str(small))
@@ -95,12 +90,35 @@ def test_render_is_deterministic_yaml(examples: list[Path]) -> None:
     assert all(o["metadata"]["ownerReferences"][0]["uid"] == "1234" for o in yaml.safe_load_all(out))
 
 
-def test_console_script_and_crd() -> None:
-    bin_dir = Path(sys.executable).parent
-    result = subprocess.run([str(bin_dir / "afdctl"), "crd"], capture_output=True, text=True, check=True)
-    assert yaml.safe_load(result.stdout)["kind"] == "CustomResourceDefinition"
-    helped = subprocess.run([str(bin_dir / "afdctl"), "--help"], capture_output=True, text=True)
-    assert helped.returncode == 0 and "Exit codes" in helped.stdout
+def test_console_script_exits_as_its_help_documents(tmp_path: Path) -> None:
+    """`afdctl --help` documents exit codes 0 (success), 1 (invalid input, every problem on
+    stderr as 'FILE: field.path: rule') and 2 (usage error or unreadable file): real runs of the
+    installed console script give each of them, and nothing on stdout when they fail."""
+    afdctl = str(Path(sys.executable).parent / "afdctl")
+
+    def afdctl_run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([afdctl, *argv], capture_output=True, text=True)
+
+    helped = afdctl_run("--help")
+    assert helped.returncode == 0
+    assert re.findall(r"\b(\d) [a-z]", " ".join(helped.stdout.split("Exit codes:", 1)[1].split())) == ["0", "1", "2"]
+
+    crd = afdctl_run("crd")
+    assert (crd.returncode, crd.stderr) == (0, "")
+    assert yaml.safe_load(crd.stdout)["kind"] == "CustomResourceDefinition"
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BAD)
+    invalid = afdctl_run("validate", "-f", str(bad))
+    assert (invalid.returncode, invalid.stdout) == (1, "")
+    problems = invalid.stderr.splitlines()
+    assert len(problems) == 2, problems
+    assert all(re.fullmatch(rf"{re.escape(str(bad))}: spec\.[\w.]+: .+", line) for line in problems), problems
+
+    for usage in (["validate", "-f", str(tmp_path / "missing.yaml")], ["frobnicate"]):
+        failed = afdctl_run(*usage)
+        assert (failed.returncode, failed.stdout) == (2, ""), (usage, failed.stderr)
+        assert failed.stderr, usage
 
 
 def test_validate_reports_what_the_plugin_refuses(tmp_path: Path, examples: list[Path]) -> None:

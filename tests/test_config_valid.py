@@ -16,8 +16,6 @@ from afd_operator import naming
 from afd_operator.api import GROUP, PLURAL, VERSION
 from k8s_helpers import delete_afddeployments, wait_for
 
-pytestmark = pytest.mark.apiserver
-
 CONVERGE_SECONDS = 45
 NAME = "refused"
 SPEC: dict[str, Any] = {

@@ -16,8 +16,6 @@ from kubernetes import client, config
 from k8s_helpers import wait_for
 from afd_devcluster import ADMIN_USER, OPERATOR_USER, ControlPlane, FakeKubelet
 
-pytestmark = pytest.mark.apiserver
-
 ASCEND = "huawei.com/Ascend910"
 
 

@@ -8,8 +8,6 @@ import subprocess
 import time
 from typing import Any, Optional
 
-import pytest
-
 from afd_operator import naming
 from afd_operator.api import GROUP, PLURAL, VERSION
 from afd_devcluster import OPERATOR_USER
@@ -17,8 +15,6 @@ from afd_devcluster.operator_process import OperatorProcess
 from k8s_helpers import wait_for
 from vllm_metrics import FakeVllmMetrics
 from operator_env import CONVERGE_SECONDS, Env, PodWatch, base_spec, env, kubelet, operator  # noqa: F401 (fixtures)
-
-pytestmark = pytest.mark.apiserver
 
 
 class ServingWatch(PodWatch):

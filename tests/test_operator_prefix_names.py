@@ -7,14 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import pytest
-
 from afd_operator import naming
 from afd_operator.api import GROUP, PLURAL, VERSION
 from k8s_helpers import wait_for
 from operator_env import CONVERGE_SECONDS, Env, PodWatch, base_spec, env, kubelet, operator  # noqa: F401 (fixtures)
-
-pytestmark = pytest.mark.apiserver
 
 NAMES = ("a", "a-b", "a-b-c")
 

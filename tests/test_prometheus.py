@@ -20,8 +20,6 @@ from afd_devcluster.prometheus import prometheus_server, query
 from afd_shared_experts.metrics import ProbeServer, RuntimeMetrics
 from k8s_helpers import Helm, wait_for
 
-pytestmark = pytest.mark.apiserver
-
 CHART = "charts/afd-operator"
 DEPLOYMENT = "tiny-cpu"  # examples/cpu-tiny.yaml
 SCRAPE_VALUES = ["--set", "metrics.serviceMonitor.enabled=true",

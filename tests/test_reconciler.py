@@ -1,4 +1,4 @@
-"""The reconciler against a recording writer (fast tier, in process): per-deployment memory
+"""The reconciler against a recording writer (unit tier, in process): per-deployment memory
 with names that are prefixes of each other, teardown dropping that memory, and refused
 writes surfacing in status and events."""
 

@@ -14,8 +14,6 @@ from afd_devcluster.certs import self_signed_certificate
 from afd_devcluster.operator_process import OperatorProcess
 from k8s_helpers import delete_afddeployments, wait_for
 
-pytestmark = pytest.mark.apiserver
-
 CONFIGURATION = "afd-test.validation.afd.inference.dev"  # webhook names must be fully qualified
 
 

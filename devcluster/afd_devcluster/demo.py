@@ -21,7 +21,7 @@ from kubernetes import config as kube_config
 
 from afd_operator.crd import crd_yaml
 from afd_devcluster.controlplane import ControlPlane, control_plane
-from afd_devcluster.node import FakeKubelet
+from afd_devcluster.fake_kubelet import FakeKubelet
 from afd_devcluster.operator_process import OperatorProcess
 from afd_operator.naming import LABEL_MANAGED_BY, MANAGER
 

@@ -1,84 +1,18 @@
-"""Test helpers: tiny random HF checkpoints, the HF transformers oracle, in-process ranks."""
+"""Test helpers: the HF transformers oracle, in-process ranks, fault injection, process checks.
+(The tiny checkpoints come from afd_devcluster.checkpoints.)"""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from afd_devcluster import free_port
 from afd_shared_experts.model import DTYPES
 
-MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "qwen2_moe")
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
-
-
-def model_config(model_type: str, *, hidden: int = 32, inter: int = 16, experts: int = 8, top_k: int = 2,
-                 layers: int = 2, **overrides) -> dict:
-    common = {"hidden_size": hidden, "moe_intermediate_size": inter, "num_experts_per_tok": top_k,
-              "num_hidden_layers": layers, "hidden_act": "silu", "intermediate_size": 2 * inter,
-              "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 64, "rms_norm_eps": 1e-6}
-    if model_type == "deepseek_v2":
-        cfg = {**common, "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"],
-               "n_routed_experts": experts, "n_shared_experts": 1, "routed_scaling_factor": 1.5,
-               "topk_method": "greedy", "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
-               "first_k_dense_replace": 0, "moe_layer_freq": 1}
-    elif model_type == "deepseek_v3":
-        cfg = {**common, "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
-               "n_routed_experts": experts, "n_shared_experts": 2, "routed_scaling_factor": 2.5,
-               "n_group": 4, "topk_group": 2, "norm_topk_prob": True, "first_k_dense_replace": 0,
-               "moe_layer_freq": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
-    elif model_type == "qwen2_moe":
-        cfg = {**common, "model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"],
-               "num_experts": experts, "shared_expert_intermediate_size": 2 * inter, "norm_topk_prob": False,
-               "decoder_sparse_step": 1, "mlp_only_layers": []}
-    else:
-        raise ValueError(model_type)
-    cfg.update(overrides)
-    return cfg
-
-
-def write_checkpoint(directory: Path, model_type: str, *, seed: int = 0, **overrides) -> Path:
-    """config.json + model.safetensors with classic per-expert HF tensor names."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    cfg = model_config(model_type, **overrides)
-    gen = torch.Generator().manual_seed(seed)
-    hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    experts = cfg["n_routed_experts"] if model_type != "qwen2_moe" else cfg["num_experts"]
-
-    def rand(*shape, scale=None):
-        scale = scale if scale is not None else shape[-1] ** -0.5
-        return torch.randn(*shape, generator=gen) * scale
-
-    tensors = {}
-    if model_type == "qwen2_moe":
-        first_moe = [l for l in range(cfg["num_hidden_layers"]) if (l + 1) % cfg["decoder_sparse_step"] == 0]
-        shared_name, shared_inter = "shared_expert", cfg["shared_expert_intermediate_size"]
-    else:
-        first_moe = [l for l in range(cfg["num_hidden_layers"]) if l >= cfg["first_k_dense_replace"]]
-        shared_name, shared_inter = "shared_experts", inter * cfg["n_shared_experts"]
-    for layer in first_moe:
-        base = f"model.layers.{layer}.mlp"
-        tensors[f"{base}.gate.weight"] = rand(experts, hidden, scale=1.0)
-        if model_type == "deepseek_v3":
-            tensors[f"{base}.gate.e_score_correction_bias"] = rand(experts, scale=0.1)
-        for e in range(experts):
-            tensors[f"{base}.experts.{e}.gate_proj.weight"] = rand(inter, hidden)
-            tensors[f"{base}.experts.{e}.up_proj.weight"] = rand(inter, hidden)
-            tensors[f"{base}.experts.{e}.down_proj.weight"] = rand(hidden, inter)
-        tensors[f"{base}.{shared_name}.gate_proj.weight"] = rand(shared_inter, hidden)
-        tensors[f"{base}.{shared_name}.up_proj.weight"] = rand(shared_inter, hidden)
-        tensors[f"{base}.{shared_name}.down_proj.weight"] = rand(hidden, shared_inter)
-        if model_type == "qwen2_moe":
-            tensors[f"{base}.shared_expert_gate.weight"] = rand(1, hidden)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
-    return directory
 
 
 def oracle_module(model_dir: Path, layer: int, dtype: str):

@@ -13,11 +13,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import afd_shared_experts.device as device_module
 from afd_shared_experts import ops
 from afd_devcluster import free_port
+from afd_devcluster.checkpoints import write_moe_checkpoint
 from afd_shared_experts.compute import route
 from afd_shared_experts.device import select_device
 from afd_shared_experts.model import load_spec
 from afd_shared_experts.selfcheck import token_range
-from plugin_harness import ThreadWorld, assert_matches_oracle, make_connector, oracle_outputs, run_threads, write_checkpoint
+from plugin_harness import ThreadWorld, assert_matches_oracle, make_connector, oracle_outputs, run_threads
 
 # Ops whose results the host must read (or whose output shape depends on data): each one a
 # stream sync on an accelerator.
@@ -160,7 +161,7 @@ def test_combine_sums_in_slot_order_without_atomics_whatever_the_ffn_split(tmp_p
     and sums over the slots; no accumulating scatter (atomics on an accelerator), and F = 1, 2
     and 4 FFN ranks give the same bits (placement 'attention': a shared expert split over F ranks
     runs GEMMs of other sizes, which round differently)."""
-    model_dir = write_checkpoint(tmp_path / "top4", "deepseek_v3", seed=3, top_k=4, n_group=1, topk_group=1)
+    model_dir = write_moe_checkpoint(tmp_path / "top4", "deepseek_v3", seed=3, top_k=4, n_group=1, topk_group=1)
     spec = load_spec(model_dir)
     x = torch.randn(24, spec.hidden_size, generator=torch.Generator().manual_seed(5))
     outputs = []

@@ -21,11 +21,12 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from afd_devcluster.checkpoints import write_moe_checkpoint
 from afd_shared_experts.connector import P2PConnector
 from afd_shared_experts.model import load_spec
 from afd_shared_experts.selfcheck import RunSpec, run_attention_rank, token_range
 from plugin_harness import (assert_matches_oracle, child_pids, make_connector, oracle_outputs, process_alive,
-                            run_threads, write_checkpoint)
+                            run_threads)
 from vllm_harness import SERVER_TOKEN_BUDGET, afd_block, free_port, http_status, start_ffn_servers, wait_until
 
 SHAPES = {"deepseek-v3-ascend": (16, (16,)), "small-ascend": (4, (2, 2)), "uneven": (2, (2, 1))}
@@ -37,8 +38,8 @@ START_TIMEOUT = 240
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("ffn-pods") / "deepseek_v3", "deepseek_v3", seed=3,
-                            experts=EXPERTS)
+    return write_moe_checkpoint(tmp_path_factory.mktemp("ffn-pods") / "deepseek_v3", "deepseek_v3", seed=3,
+                                experts=EXPERTS)
 
 
 def http_text(port: int, path: str) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin_harness import write_checkpoint
+from afd_devcluster.checkpoints import write_moe_checkpoint
 from test_vllm_ffn_experts import run_vllm_driver
 
 DRIVER = Path(__file__).resolve().parent / "vllm_ascend_context_driver.py"
@@ -22,7 +22,7 @@ SHARED_ROWS = 5
 def result(tmp_path_factory):
     root = tmp_path_factory.mktemp("ascend_context")
     # vLLM's CPU fused-MoE kernel tiles 2 * moe_intermediate_size by 64.
-    model = write_checkpoint(root / "model", "deepseek_v3", seed=3, hidden=32, inter=32, experts=8, top_k=2, layers=2)
+    model = write_moe_checkpoint(root / "model", "deepseek_v3", seed=3, hidden=32, inter=32, experts=8, top_k=2, layers=2)
     request = {"model": str(model), "num_ffn_ranks": NUM_FFN_RANKS, "counts": COUNTS, "shared_rows": SHARED_ROWS}
     return run_vllm_driver(DRIVER, request, root, timeout=300)
 

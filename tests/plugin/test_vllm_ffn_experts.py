@@ -14,11 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from afd_devcluster.checkpoints import MODEL_TYPES, write_moe_checkpoint
 from afd_shared_experts import ffn_server
 from afd_shared_experts.compute import swiglu
 from afd_shared_experts.ffn_runtime import torch_experts
 from afd_shared_experts.model import CheckpointError, load_attention_weights, load_ffn_weights, load_spec
-from plugin_harness import MODEL_TYPES, TOLERANCE, relative_error, write_checkpoint
+from plugin_harness import TOLERANCE, relative_error
 from vllm_harness import REPO_ROOT, base_env, vllm_python
 
 DRIVER = Path(__file__).resolve().parent / "vllm_ffn_experts_driver.py"
@@ -41,8 +42,8 @@ def write_fp8_block_checkpoint(directory: Path, quantize_shared: bool) -> dict[s
     """A DeepSeek-V3-style bf16 checkpoint whose routed experts (and optionally shared experts)
     are fp8 e4m3 with one scale per 128 x 128 block (``weight_scale_inv``, as DeepSeek-V3 ships);
     returns the dequantized float32 weights the server must compute with."""
-    write_checkpoint(directory, "deepseek_v3", seed=11, hidden=FP8_BLOCK, inter=FP8_BLOCK, experts=4, top_k=2,
-                     layers=1, n_shared_experts=1, n_group=2, topk_group=1, torch_dtype="bfloat16")
+    write_moe_checkpoint(directory, "deepseek_v3", seed=11, hidden=FP8_BLOCK, inter=FP8_BLOCK, experts=4, top_k=2,
+                         layers=1, n_shared_experts=1, n_group=2, topk_group=1, torch_dtype="bfloat16")
     tensors, effective = load_file(str(directory / "model.safetensors")), {}
     stored = {}
     for name, weight in tensors.items():
@@ -91,7 +92,7 @@ def vllm_run(tmp_path_factory):
     """Every case in one vLLM subprocess: (cases by key, checkpoints, driver result, outputs)."""
     root = tmp_path_factory.mktemp("vllm_ffn")
     gen = torch.Generator().manual_seed(0)
-    checkpoints = {mt: write_checkpoint(root / mt, mt, seed=i, **SHAPE) for i, mt in enumerate(MODEL_TYPES)}
+    checkpoints = {mt: write_moe_checkpoint(root / mt, mt, seed=i, **SHAPE) for i, mt in enumerate(MODEL_TYPES)}
     fp8_effective = {"fp8": write_fp8_block_checkpoint(root / "fp8", quantize_shared=False),
                      "fp8_shared": write_fp8_block_checkpoint(root / "fp8_shared", quantize_shared=True)}
     cases, inputs = [], {}

@@ -17,6 +17,7 @@ import signal
 
 import pytest
 
+from afd_devcluster.checkpoints import write_vllm_checkpoint
 from afd_shared_experts.trace import read_traces
 from plugin_harness import child_pids
 from stage_traces import assert_staged_schedule
@@ -29,7 +30,6 @@ from vllm_harness import (
     start_ffn_servers,
     start_vllm_serve,
     wait_until,
-    write_vllm_checkpoint,
 )
 
 START_TIMEOUT = 900

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from afd_devcluster.checkpoints import write_vllm_checkpoint
 from afd_shared_experts.model import load_spec
 from afd_shared_experts.trace import read_traces
 from stage_traces import assert_staged_schedule, by_key, overlapped_layers, stages_per_layer
@@ -51,7 +52,6 @@ from vllm_harness import (
     vllm_console_script,
     vllm_python,
     wait_until,
-    write_vllm_checkpoint,
 )
 
 START_TIMEOUT = 300

@@ -9,8 +9,9 @@ import subprocess
 
 import pytest
 
+from afd_devcluster.checkpoints import write_vllm_checkpoint
 from vllm_harness import (HERE, REPO_ROOT, afd_block, base_env, free_port, install_testbed_plugin, run_driver,
-                          vllm_python, write_vllm_checkpoint)
+                          vllm_python)
 
 STAGED_WORKER = "afd_shared_experts.vllm.worker.AFDCPUWorker"
 

@@ -17,27 +17,13 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
-
 from afd_devcluster import free_port
 from afd_shared_experts.trace import TRACE_DIR_ENV
-from plugin_harness import write_checkpoint
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
 TESTBED_PLUGIN = HERE / "vllm_testbed_plugin"
 DRIVER = HERE / "vllm_driver.py"
-VOCAB = 128
-# Head size 64 (DeepSeek: qk_nope + qk_rope; Qwen2-MoE: hidden / heads) is in the CPU attention
-# backend's supported set; the CPU fused-MoE kernel needs 2 * moe_intermediate_size to be a
-# multiple of its tile (64 works).
-COMMON_SHAPE = dict(hidden=64, inter=64, experts=8, top_k=2, layers=3, vocab_size=VOCAB, intermediate_size=64,
-                    max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False,
-                    torch_dtype="float32", bos_token_id=1, eos_token_id=2)
-DEEPSEEK_SHAPE = dict(COMMON_SHAPE, num_attention_heads=2, num_key_value_heads=2, qk_nope_head_dim=32,
-                      qk_rope_head_dim=32, v_head_dim=32, kv_lora_rank=32, q_lora_rank=None, first_k_dense_replace=1)
-QWEN2_MOE_SHAPE = dict(COMMON_SHAPE, num_attention_heads=1, num_key_value_heads=1, use_sliding_window=False)
 # Fixed prompts (token ids), long enough to exercise prefill and several decode steps.
 PROMPTS = [[5, 17, 33, 9, 64, 21], [7, 7, 90, 14], [100, 3, 55, 41, 12, 88, 23, 61], [30]]
 MAX_TOKENS = 12
@@ -79,75 +65,6 @@ def base_env(**extra: str) -> dict[str, str]:
                TORCHDYNAMO_DISABLE="1")
     env.update(extra)
     return env
-
-
-def write_vllm_checkpoint(directory: Path, model_type: str, seed: int = 0, **shape) -> Path:
-    """A complete tiny DeepSeek-V2/V3 or Qwen2-MoE checkpoint vLLM can serve: the MoE tensors
-    of plugin_harness.write_checkpoint plus attention, norms, dense MLP, embeddings, tokenizer.
-    `shape` overrides the common shape (e.g. experts=48)."""
-    overrides = dict(QWEN2_MOE_SHAPE if model_type == "qwen2_moe" else DEEPSEEK_SHAPE, **shape)
-    hidden, inter, experts, top_k, layers = (overrides.pop(k) for k in ("hidden", "inter", "experts", "top_k", "layers"))
-    write_checkpoint(directory, model_type, seed=seed, hidden=hidden, inter=inter, experts=experts, top_k=top_k,
-                     layers=layers, **overrides)
-    cfg = json.loads((directory / "config.json").read_text())
-    tensors = load_file(str(directory / "model.safetensors"))
-    gen = torch.Generator().manual_seed(seed + 1000)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen) * shape[-1] ** -0.5
-
-    tensors["model.embed_tokens.weight"] = torch.randn(VOCAB, hidden, generator=gen)
-    tensors["lm_head.weight"] = rand(VOCAB, hidden)
-    tensors["model.norm.weight"] = torch.ones(hidden)
-    for layer in range(layers):
-        base = f"model.layers.{layer}"
-        tensors[f"{base}.input_layernorm.weight"] = torch.ones(hidden)
-        tensors[f"{base}.post_attention_layernorm.weight"] = torch.ones(hidden)
-        attention = _qwen2_attention(cfg, rand) if model_type == "qwen2_moe" else _mla_attention(cfg, rand)
-        tensors.update({f"{base}.self_attn.{name}": t for name, t in attention.items()})
-        if layer < cfg.get("first_k_dense_replace", 0):
-            # Dense layer: drop the MoE tensors the generic writer made, add the dense MLP.
-            for name in [n for n in tensors if n.startswith(f"{base}.mlp.")]:
-                del tensors[name]
-            tensors[f"{base}.mlp.gate_proj.weight"] = rand(cfg["intermediate_size"], hidden)
-            tensors[f"{base}.mlp.up_proj.weight"] = rand(cfg["intermediate_size"], hidden)
-            tensors[f"{base}.mlp.down_proj.weight"] = rand(hidden, cfg["intermediate_size"])
-    save_file({k: t.contiguous() for k, t in tensors.items()}, str(directory / "model.safetensors"))
-    _write_tokenizer(directory)
-    return directory
-
-
-def _mla_attention(cfg: dict, rand) -> dict[str, torch.Tensor]:
-    hidden, heads, kv_rank = cfg["hidden_size"], cfg["num_attention_heads"], cfg["kv_lora_rank"]
-    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    return {"q_proj.weight": rand(heads * (nope + rope), hidden),
-            "kv_a_proj_with_mqa.weight": rand(kv_rank + rope, hidden),
-            "kv_a_layernorm.weight": torch.ones(kv_rank),
-            "kv_b_proj.weight": rand(heads * (nope + v), kv_rank),
-            "o_proj.weight": rand(hidden, heads * v)}
-
-
-def _qwen2_attention(cfg: dict, rand) -> dict[str, torch.Tensor]:
-    hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = hidden // heads
-    return {"q_proj.weight": rand(heads * head_dim, hidden), "q_proj.bias": rand(heads * head_dim) * 0.1,
-            "k_proj.weight": rand(kv_heads * head_dim, hidden), "k_proj.bias": rand(kv_heads * head_dim) * 0.1,
-            "v_proj.weight": rand(kv_heads * head_dim, hidden), "v_proj.bias": rand(kv_heads * head_dim) * 0.1,
-            "o_proj.weight": rand(hidden, heads * head_dim)}
-
-
-def _write_tokenizer(directory: Path) -> None:
-    """A word-level tokenizer over VOCAB tokens "t0".."t127" (no download needed)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>",
-        "model_max_length": 512}))
 
 
 # The stage tests split every step that has two requests (the plugin's own minimum step sizes

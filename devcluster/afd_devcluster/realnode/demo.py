@@ -58,7 +58,7 @@ def run(node: RealNode, example: Path, namespace: str) -> None:
         serve_and_complete(node, manifest, namespace)
 
         # Down, not up: both revisions run side by side during the roll and a wider one would
-        # not fit with the old one in these machines' memory (docs/testbed.md).
+        # not fit with the old one in these machines' memory (docs/history/testbed-runs.md).
         attention = manifest["spec"]["attention"]
         before = attention["dataParallel"]
         attention["dataParallel"] = max(1, before - 1)

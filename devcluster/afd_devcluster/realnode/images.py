@@ -22,12 +22,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Any, Iterator, Optional, Protocol
 
 from afd_devcluster.ports import _bindable, ephemeral_range, free_port
-
-if TYPE_CHECKING:
-    from afd_devcluster.realnode.node import RealNode
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 TESTBED_IMAGES = REPO_ROOT / "images" / "testbed"
@@ -41,18 +38,32 @@ PYTHON_BASE_IMAGE = ("afd.local/python:3.11-bookworm-"
 BUSYBOX_BINARY = Path("/bin/busybox")  # Debian's busybox-static
 GLIBC_DIR = Path("/lib/x86_64-linux-gnu")
 GLIBC_FILES = ("libc.so.6", "libnss_files.so.2", "libnss_dns.so.2", "libresolv.so.2", "ld-linux-x86-64.so.2")
+PAUSE_IMAGE = "afd.local/pause:1"
 OPERATOR_IMAGE = "afd-operator:0.1.0"
 RUNTIME_CPU_IMAGE = "vllm-cpu-afd:v0.23.0"
 HOST_CA_DIR = Path("/usr/local/share/ca-certificates")
 log = logging.getLogger(__name__)
 
 
-def image_id(node: "RealNode", tag: str) -> Optional[str]:
+class ImageHost(Protocol):
+    """What these functions use of a started node (realnode.node.RealNode, which imports this
+    module: it builds the test-bed images while it starts)."""
+
+    cache: Path
+    docker_argv: list[str]
+
+    def docker(self, *args: str, check: bool = True, **kwargs: Any) -> subprocess.CompletedProcess: ...
+
+    def ctr(self, *args: str, check: bool = True, input_bytes: Optional[bytes] = None,
+            stdin: Any = None) -> subprocess.CompletedProcess: ...
+
+
+def image_id(node: ImageHost, tag: str) -> Optional[str]:
     out = node.docker("image", "inspect", "--format", "{{.Id}}", tag, check=False, capture_output=True, text=True)
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def build_image(node: "RealNode", tag: str, dockerfile: Path, context: Path,
+def build_image(node: ImageHost, tag: str, dockerfile: Path, context: Path,
                 build_args: Optional[dict[str, str]] = None) -> str:
     """`docker build` on the host network (the node's dockerd has no bridge); returns the image ID."""
     args = ["build", "--network", "host", "-t", tag, "-f", str(dockerfile)]
@@ -67,7 +78,7 @@ def build_image(node: "RealNode", tag: str, dockerfile: Path, context: Path,
     return built
 
 
-def import_image(node: "RealNode", tag: str) -> None:
+def import_image(node: ImageHost, tag: str) -> None:
     """Copy a docker image into containerd's k8s.io namespace, unless that exact build is there."""
     built = image_id(node, tag)
     if built is None:
@@ -77,7 +88,7 @@ def import_image(node: "RealNode", tag: str) -> None:
     if present and stamp.exists() and stamp.read_text() == built:
         return
     started = time.monotonic()
-    save = subprocess.Popen([*_docker_argv(node), "save", tag], stdout=subprocess.PIPE)
+    save = subprocess.Popen([*node.docker_argv, "save", tag], stdout=subprocess.PIPE)
     node.ctr("images", "import", "-", stdin=save.stdout)
     if save.wait() != 0:
         raise RuntimeError(f"docker save {tag} failed")
@@ -86,7 +97,7 @@ def import_image(node: "RealNode", tag: str) -> None:
     stamp.write_text(built)
 
 
-def containerd_name(node: "RealNode", tag: str) -> Optional[str]:
+def containerd_name(node: ImageHost, tag: str) -> Optional[str]:
     """The name containerd holds an imported image under: a short docker tag is stored fully
     qualified (registry and library path added), which is also how kubelet asks for it."""
     for name in node.ctr("images", "ls", "-q").stdout.decode().split():
@@ -95,7 +106,7 @@ def containerd_name(node: "RealNode", tag: str) -> Optional[str]:
     return None
 
 
-def retag(node: "RealNode", tag: str, new_tag: str) -> None:
+def retag(node: ImageHost, tag: str, new_tag: str) -> None:
     """A second name for an image in containerd (a new image tag without a rebuild)."""
     source = containerd_name(node, tag)
     if source is None:
@@ -103,14 +114,8 @@ def retag(node: "RealNode", tag: str, new_tag: str) -> None:
     node.ctr("images", "tag", "--force", source, source[: -len(tag)] + new_tag)
 
 
-def _docker_argv(node: "RealNode") -> list[str]:
-    from afd_devcluster.realnode.node import DOCKER_CLI
-    return [DOCKER_CLI, "-H", f"unix://{node.docker_socket}"]
-
-
-def ensure_testbed_images(node: "RealNode") -> None:
+def ensure_testbed_images(node: ImageHost) -> None:
     """The pod sandbox image and the busybox check image, built once, in containerd."""
-    from afd_devcluster.realnode.node import PAUSE_IMAGE
     with tempfile.TemporaryDirectory() as tmp:
         ctx = Path(tmp)
         if image_id(node, PAUSE_IMAGE) is None:
@@ -148,7 +153,7 @@ def debian_mirror() -> str:
     raise RuntimeError("no Debian bookworm source in this machine's apt configuration")
 
 
-def ensure_python_base(node: "RealNode") -> str:
+def ensure_python_base(node: ImageHost) -> str:
     """A local Debian 12 base with python3.11 and pip (debootstrap + docker import), made once."""
     if image_id(node, PYTHON_BASE_IMAGE):
         return PYTHON_BASE_IMAGE
@@ -189,7 +194,7 @@ def context_tar(extra_ca_dir: Optional[Path]) -> bytes:
     return buf.getvalue()
 
 
-def build_project_image(node: "RealNode", tag: str, image: str, build_args: dict[str, str],
+def build_project_image(node: ImageHost, tag: str, image: str, build_args: dict[str, str],
                         extra_ca_dir: Optional[Path]) -> str:
     """docker build images/<image>/Dockerfile with the repository as context; returns the image ID."""
     args = ["build", "--network", "host", "-t", tag, "-f", f"images/{image}/Dockerfile"]
@@ -243,7 +248,7 @@ def served(folder: Path) -> Iterator[str]:
         server.server_close()
 
 
-def ensure_project_images(node: "RealNode", extra_ca_dir: Optional[Path] = HOST_CA_DIR) -> dict[str, str]:
+def ensure_project_images(node: ImageHost, extra_ca_dir: Optional[Path] = HOST_CA_DIR) -> dict[str, str]:
     """The operator and CPU runtime images, built FROM the local Debian 12 base (the runtime from
     the cached wheelhouse) and imported into containerd. Docker's layer cache makes a rebuild
     of unchanged sources a no-op. Returns tag -> image ID."""

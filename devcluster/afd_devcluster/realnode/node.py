@@ -33,6 +33,7 @@ import yaml
 from afd_devcluster.certs import self_signed_certificate
 from afd_devcluster.ports import free_port
 from afd_devcluster.realnode.hoststate import HostRecord, mounts_under
+from afd_devcluster.realnode.images import PAUSE_IMAGE, ensure_testbed_images
 
 NODE_NAME = "afd-node"
 BRIDGE = "afd-cni0"
@@ -42,7 +43,6 @@ CLUSTER_CIDR = "10.244.0.0/16"
 SERVICE_RANGE = "10.96.0.0/16"
 DNS_SERVICE_IP = "10.96.0.10"
 CLUSTER_DOMAIN = "cluster.local"
-PAUSE_IMAGE = "afd.local/pause:1"
 DOCKER_CLI = "/usr/bin/docker"  # Debian's docker CLI; a newer one may come first on PATH
 READY_TIMEOUT_SECONDS = 120
 STOP_TIMEOUT_SECONDS = 20
@@ -148,9 +148,13 @@ class RealNode:
         return subprocess.run(["ctr", "--address", str(self.containerd_socket), "--namespace", "k8s.io", *args],
                               input=input_bytes, stdin=stdin, capture_output=True, check=check)
 
+    @property
+    def docker_argv(self) -> list[str]:
+        """The docker CLI talking to this node's dockerd."""
+        return [DOCKER_CLI, "-H", f"unix://{self.docker_socket}"]
+
     def docker(self, *args: str, check: bool = True, **kwargs: Any) -> subprocess.CompletedProcess:
-        return subprocess.run([DOCKER_CLI, "-H", f"unix://{self.docker_socket}", *args],
-                              check=check, **kwargs)
+        return subprocess.run([*self.docker_argv, *args], check=check, **kwargs)
 
     def running(self) -> list[str]:
         """The daemons of this node that are alive now."""
@@ -189,7 +193,6 @@ class RealNode:
         tokens = self._write_credentials()
         self._start_containerd()
         self._start_dockerd()
-        from afd_devcluster.realnode.images import ensure_testbed_images
         ensure_testbed_images(self)
         api_port = free_port()
         server = f"https://{NODE_IP}:{api_port}"

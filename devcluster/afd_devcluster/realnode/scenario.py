@@ -5,10 +5,10 @@ AFDDeployment, wait until it serves, send completions through its Service, roll 
 from __future__ import annotations
 
 import json
-import sys
 import urllib.request
 from pathlib import Path
 
+from afd_devcluster.checkpoints import write_vllm_checkpoint
 from afd_devcluster.realnode.images import OPERATOR_IMAGE
 from afd_devcluster.realnode.node import REPO_ROOT, RealNode
 from afd_devcluster.tools import Helm, wait_for
@@ -49,13 +49,9 @@ def uninstall_operator(node: RealNode, helm: Helm) -> None:
     node.kubectl("delete", "namespace", RELEASE_NAMESPACE, "--timeout=120s", check=False)
 
 
-def write_tiny_checkpoint(folder: Path, model_type: str = "deepseek_v2") -> Path:
-    """The tiny checkpoint the vLLM tests serve (tests/plugin/vllm_harness.py), written to
-    `folder`; pods mount it by hostPath."""
-    sys.path.insert(0, str(REPO_ROOT / "tests" / "plugin"))
-    from vllm_harness import write_vllm_checkpoint
-
-    return write_vllm_checkpoint(folder, model_type)
+def write_tiny_checkpoint(folder: Path) -> Path:
+    """The tiny DeepSeek-V2 the vLLM tests serve too, written to `folder`; pods mount it by hostPath."""
+    return write_vllm_checkpoint(folder, "deepseek_v2")
 
 
 def complete(host: str, port: int, model: str, prompt: list[int] = PROMPT, max_tokens: int = MAX_TOKENS,

@@ -1,0 +1,165 @@
+"""Tiny random Hugging Face MoE checkpoints, written here so nothing is downloaded.
+
+`write_moe_checkpoint`: config.json + the MoE layers' tensors only (gate, routed and shared
+experts, classic per-expert names), what the plugin's torch runtime and the transformers oracle
+load. `write_vllm_checkpoint`: a complete DeepSeek-V2/V3 or Qwen2-MoE checkpoint vLLM can
+serve (attention, norms, a dense first layer on DeepSeek, embeddings, a word-level tokenizer).
+Used by the tests, the real node's scenario and the benchmarks; seeded, so the same arguments
+write the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "qwen2_moe")
+# Vocabulary size of write_vllm_checkpoint's model and tokenizer (ids 0-2 are its special tokens).
+VOCAB = 128
+# Head size 64 (DeepSeek: qk_nope + qk_rope; Qwen2-MoE: hidden / heads) is in vLLM's CPU attention
+# backend's supported set; the CPU fused-MoE kernel needs 2 * moe_intermediate_size to be a
+# multiple of its tile (64 works).
+COMMON_SHAPE = dict(hidden=64, inter=64, experts=8, top_k=2, layers=3, vocab_size=VOCAB, intermediate_size=64,
+                    max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False,
+                    torch_dtype="float32", bos_token_id=1, eos_token_id=2)
+DEEPSEEK_SHAPE = dict(COMMON_SHAPE, num_attention_heads=2, num_key_value_heads=2, qk_nope_head_dim=32,
+                      qk_rope_head_dim=32, v_head_dim=32, kv_lora_rank=32, q_lora_rank=None, first_k_dense_replace=1)
+QWEN2_MOE_SHAPE = dict(COMMON_SHAPE, num_attention_heads=1, num_key_value_heads=1, use_sliding_window=False)
+
+
+def model_config(model_type: str, *, hidden: int = 32, inter: int = 16, experts: int = 8, top_k: int = 2,
+                 layers: int = 2, **overrides) -> dict:
+    """The config.json of a tiny `model_type` model; `overrides` are config keys."""
+    common = {"hidden_size": hidden, "moe_intermediate_size": inter, "num_experts_per_tok": top_k,
+              "num_hidden_layers": layers, "hidden_act": "silu", "intermediate_size": 2 * inter,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 64, "rms_norm_eps": 1e-6}
+    if model_type == "deepseek_v2":
+        cfg = {**common, "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"],
+               "n_routed_experts": experts, "n_shared_experts": 1, "routed_scaling_factor": 1.5,
+               "topk_method": "greedy", "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
+               "first_k_dense_replace": 0, "moe_layer_freq": 1}
+    elif model_type == "deepseek_v3":
+        cfg = {**common, "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+               "n_routed_experts": experts, "n_shared_experts": 2, "routed_scaling_factor": 2.5,
+               "n_group": 4, "topk_group": 2, "norm_topk_prob": True, "first_k_dense_replace": 0,
+               "moe_layer_freq": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+    elif model_type == "qwen2_moe":
+        cfg = {**common, "model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"],
+               "num_experts": experts, "shared_expert_intermediate_size": 2 * inter, "norm_topk_prob": False,
+               "decoder_sparse_step": 1, "mlp_only_layers": []}
+    else:
+        raise ValueError(model_type)
+    cfg.update(overrides)
+    return cfg
+
+
+def write_moe_checkpoint(directory: Path, model_type: str, *, seed: int = 0, **overrides) -> Path:
+    """config.json + model.safetensors holding only the MoE layers' tensors, with classic
+    per-expert HF tensor names; `overrides` go to model_config."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = model_config(model_type, **overrides)
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    experts = cfg["n_routed_experts"] if model_type != "qwen2_moe" else cfg["num_experts"]
+
+    def rand(*shape, scale=None):
+        scale = scale if scale is not None else shape[-1] ** -0.5
+        return torch.randn(*shape, generator=gen) * scale
+
+    tensors = {}
+    if model_type == "qwen2_moe":
+        first_moe = [l for l in range(cfg["num_hidden_layers"]) if (l + 1) % cfg["decoder_sparse_step"] == 0]
+        shared_name, shared_inter = "shared_expert", cfg["shared_expert_intermediate_size"]
+    else:
+        first_moe = [l for l in range(cfg["num_hidden_layers"]) if l >= cfg["first_k_dense_replace"]]
+        shared_name, shared_inter = "shared_experts", inter * cfg["n_shared_experts"]
+    for layer in first_moe:
+        base = f"model.layers.{layer}.mlp"
+        tensors[f"{base}.gate.weight"] = rand(experts, hidden, scale=1.0)
+        if model_type == "deepseek_v3":
+            tensors[f"{base}.gate.e_score_correction_bias"] = rand(experts, scale=0.1)
+        for e in range(experts):
+            tensors[f"{base}.experts.{e}.gate_proj.weight"] = rand(inter, hidden)
+            tensors[f"{base}.experts.{e}.up_proj.weight"] = rand(inter, hidden)
+            tensors[f"{base}.experts.{e}.down_proj.weight"] = rand(hidden, inter)
+        tensors[f"{base}.{shared_name}.gate_proj.weight"] = rand(shared_inter, hidden)
+        tensors[f"{base}.{shared_name}.up_proj.weight"] = rand(shared_inter, hidden)
+        tensors[f"{base}.{shared_name}.down_proj.weight"] = rand(hidden, shared_inter)
+        if model_type == "qwen2_moe":
+            tensors[f"{base}.shared_expert_gate.weight"] = rand(1, hidden)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    return directory
+
+
+def write_vllm_checkpoint(directory: Path, model_type: str, seed: int = 0, **shape) -> Path:
+    """A complete tiny DeepSeek-V2/V3 or Qwen2-MoE checkpoint vLLM can serve: the MoE tensors
+    of write_moe_checkpoint plus attention, norms, dense MLP, embeddings, tokenizer.
+    `shape` overrides the common shape (e.g. experts=48)."""
+    directory = Path(directory)
+    overrides = dict(QWEN2_MOE_SHAPE if model_type == "qwen2_moe" else DEEPSEEK_SHAPE, **shape)
+    hidden, inter, experts, top_k, layers = (overrides.pop(k) for k in ("hidden", "inter", "experts", "top_k", "layers"))
+    write_moe_checkpoint(directory, model_type, seed=seed, hidden=hidden, inter=inter, experts=experts, top_k=top_k,
+                         layers=layers, **overrides)
+    cfg = json.loads((directory / "config.json").read_text())
+    tensors = load_file(str(directory / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed + 1000)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen) * shape[-1] ** -0.5
+
+    tensors["model.embed_tokens.weight"] = torch.randn(VOCAB, hidden, generator=gen)
+    tensors["lm_head.weight"] = rand(VOCAB, hidden)
+    tensors["model.norm.weight"] = torch.ones(hidden)
+    for layer in range(layers):
+        base = f"model.layers.{layer}"
+        tensors[f"{base}.input_layernorm.weight"] = torch.ones(hidden)
+        tensors[f"{base}.post_attention_layernorm.weight"] = torch.ones(hidden)
+        attention = _qwen2_attention(cfg, rand) if model_type == "qwen2_moe" else _mla_attention(cfg, rand)
+        tensors.update({f"{base}.self_attn.{name}": t for name, t in attention.items()})
+        if layer < cfg.get("first_k_dense_replace", 0):
+            # Dense layer: drop the MoE tensors the generic writer made, add the dense MLP.
+            for name in [n for n in tensors if n.startswith(f"{base}.mlp.")]:
+                del tensors[name]
+            tensors[f"{base}.mlp.gate_proj.weight"] = rand(cfg["intermediate_size"], hidden)
+            tensors[f"{base}.mlp.up_proj.weight"] = rand(cfg["intermediate_size"], hidden)
+            tensors[f"{base}.mlp.down_proj.weight"] = rand(hidden, cfg["intermediate_size"])
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(directory / "model.safetensors"))
+    _write_tokenizer(directory)
+    return directory
+
+
+def _mla_attention(cfg: dict, rand) -> dict[str, torch.Tensor]:
+    hidden, heads, kv_rank = cfg["hidden_size"], cfg["num_attention_heads"], cfg["kv_lora_rank"]
+    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    return {"q_proj.weight": rand(heads * (nope + rope), hidden),
+            "kv_a_proj_with_mqa.weight": rand(kv_rank + rope, hidden),
+            "kv_a_layernorm.weight": torch.ones(kv_rank),
+            "kv_b_proj.weight": rand(heads * (nope + v), kv_rank),
+            "o_proj.weight": rand(hidden, heads * v)}
+
+
+def _qwen2_attention(cfg: dict, rand) -> dict[str, torch.Tensor]:
+    hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = hidden // heads
+    return {"q_proj.weight": rand(heads * head_dim, hidden), "q_proj.bias": rand(heads * head_dim) * 0.1,
+            "k_proj.weight": rand(kv_heads * head_dim, hidden), "k_proj.bias": rand(kv_heads * head_dim) * 0.1,
+            "v_proj.weight": rand(kv_heads * head_dim, hidden), "v_proj.bias": rand(kv_heads * head_dim) * 0.1,
+            "o_proj.weight": rand(hidden, heads * head_dim)}
+
+
+def _write_tokenizer(directory: Path) -> None:
+    """A word-level tokenizer over VOCAB tokens "t0".."t127" (no download needed)."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>",
+        "model_max_length": 512}))
