@@ -52,7 +52,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
             settings.admission.managed = config.webhook.configuration_name
     metrics = OperatorMetrics(config.registry)
     memo.metrics = metrics
-    memo.reconciler = Reconciler(Writer(config.api_client(), metrics), metrics)
+    memo.reconciler = Reconciler(Writer(config.api_client(), metrics), metrics, config.policy)
     memo.wakeups = Wakeups()
     memo.executor = ThreadPoolExecutor(max_workers=config.reconcile_workers, thread_name_prefix="reconcile")
     memo.resync_seconds = config.resync_seconds

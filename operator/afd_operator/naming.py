@@ -60,10 +60,6 @@ def api_service_name(deployment: str) -> str:
     return deployment
 
 
-def pdb_name(deployment: str) -> str:
-    return deployment
-
-
 def pod_monitor_name(deployment: str) -> str:
     return deployment
 
