@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import pytest
+import yaml
 from hypothesis import settings
 from xdist.scheduler import LoadScopeScheduling
 
@@ -18,6 +19,9 @@ settings.load_profile("afd")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
+# The chart values the examples need from a cluster admin (docs/install.md, "Host access" shows
+# them; tests/test_host_access.py checks the two agree).
+EXAMPLES_HOST_ACCESS = {"hostAccess": {"hostPathPrefixes": ["/srv/models", "/data/models"], "hostNetwork": True}}
 # Tests that run real vLLM servers (an engine beside FFN server processes) or the real node:
 # each uses most of this machine's memory and cores. Under xdist (pyproject: -n 2) they are one
 # work unit, run in order on one worker, while the other worker runs every other test (the API
@@ -75,6 +79,14 @@ def api_client(cluster: ControlPlane):
     api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
     yield api
     api.close()
+
+
+@pytest.fixture(scope="session")
+def examples_policy_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A chart values file granting what the examples use of their nodes (`--policy`)."""
+    path = tmp_path_factory.mktemp("policy") / "values.yaml"
+    path.write_text(yaml.safe_dump(EXAMPLES_HOST_ACCESS))
+    return path
 
 
 @pytest.fixture(scope="session")
