@@ -11,6 +11,7 @@ from hypothesis import settings
 from xdist.scheduler import LoadScopeScheduling
 
 from afd_devcluster import ControlPlane, control_plane
+from k8s_helpers import EXAMPLES_HOST_ACCESS
 
 # Property tests assert results, not speed: hypothesis' per-example deadline (200 ms) fails
 # them on a machine that is busy (measured: 2.7 s for one example beside a real-node run).
@@ -19,9 +20,7 @@ settings.load_profile("afd")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
-# The chart values the examples need from a cluster admin (docs/install.md, "Host access" shows
-# them; tests/test_host_access.py checks the two agree).
-EXAMPLES_HOST_ACCESS = {"hostAccess": {"hostPathPrefixes": ["/srv/models", "/data/models"], "hostNetwork": True}}
+
 # Tests that run real vLLM servers (an engine beside FFN server processes) or the real node:
 # each uses most of this machine's memory and cores. Under xdist (pyproject: -n 2) they are one
 # work unit, run in order on one worker, while the other worker runs every other test (the API

@@ -34,6 +34,11 @@ class Strict(BaseModel):
     )
 
 
+def wire(model: BaseModel) -> dict[str, Any]:
+    """A typed piece as the API server reads it: camelCase, only what was set."""
+    return model.model_dump(by_alias=True, exclude_defaults=True)
+
+
 def follows(check: Callable[[str], Optional[str]]) -> AfterValidator:
     """A pydantic validator from a kube_rules check."""
 

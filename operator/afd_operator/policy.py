@@ -13,7 +13,7 @@ import yaml
 from pydantic import ConfigDict, Field, ValidationError
 
 from .api import DEFAULT_DRIVER_HOST_PATHS, HCCN_CONF
-from .kube_types import MAX_LIST_ITEMS, AbsolutePath, DNSSubdomain, NetworkPolicyPeer, Strict
+from .kube_types import MAX_LIST_ITEMS, AbsolutePath, DNSSubdomain, NetworkPolicyPeer, Strict, wire
 
 # The host paths the operator mounts read-only on platform ascend: the driver, dcmi, npu-smi
 # (ascend.driverHostPaths) and the NIC configuration (ascend.mountHccnConf).
@@ -89,8 +89,7 @@ def policy_from_values(values: Any) -> ClusterPolicy:
         host_access=HostAccess(host_path_prefixes=tuple(host.host_path_prefixes),
                                ascend_host_paths=tuple(host.ascend_host_paths),
                                host_network=host.host_network, service_accounts=tuple(host.service_accounts)),
-        network=NetworkIsolation(enabled=net.enabled, metrics_from=tuple(
-            p.model_dump(by_alias=True, exclude_none=True) for p in net.metrics_from)))
+        network=NetworkIsolation(enabled=net.enabled, metrics_from=tuple(wire(p) for p in net.metrics_from)))
 
 
 def load_policy(path: str) -> ClusterPolicy:

@@ -23,13 +23,12 @@ import math
 import re
 from typing import Any, Optional
 
-from pydantic import BaseModel
-
 from . import naming
 from .api import API_VERSION, KIND, AFDDeploymentSpec, EnvVar, PodTemplateOverrides
 from .planner import (ASCEND_HOST_VOLUME, HCCN_VOLUME, METRICS_VOLUME, MODEL_VOLUME, SCRATCH_VOLUME, SHM_VOLUME,
                       InstancePlan, Plan, PodPlan, operator_mounts, prestop_seconds, read_only_root,
                       uses_host_network)
+from .kube_types import wire
 from .policy import ClusterPolicy, NetworkIsolation
 
 Obj = dict[str, Any]
@@ -39,11 +38,6 @@ _LABEL_VALUE = re.compile(r"[^A-Za-z0-9._-]")
 # Device nodes of the NPU driver belong to its own user on the host and keep that owner in the
 # container; the vLLM-Ascend images run as root, which opens them only with this capability.
 ASCEND_CAPABILITIES = ["DAC_OVERRIDE"]
-
-
-def wire(model: BaseModel) -> Obj:
-    """A typed piece of the spec as the API server reads it: camelCase, what the user set."""
-    return model.model_dump(by_alias=True, exclude_defaults=True)
 
 
 def owner_reference(name: str, uid: str) -> Obj:
