@@ -18,9 +18,9 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from afd_shared_experts.config import MAX_STAGES
 
 from . import kube_rules
-from .kube_types import (MAX_LIST_ITEMS, MAX_MAP_ENTRIES, MAX_STRING, AbsolutePath, Affinity, DNSSubdomain,
-                         DNSLabel, EnvVarSource, Labels, NetworkPolicyPeer, QualifiedName, Quantity, Strict, Text, Toleration,
-                         TopologySpreadConstraint, Volume, VolumeMount, follows)
+from .kube_types import (MAX_LIST_ITEMS, MAX_MAP_ENTRIES, MAX_STRING, AbsolutePath, Affinity, DNSLabel,
+                         DNSSubdomain, EnvVarSource, Labels, LabelValue, NetworkPolicyPeer, QualifiedName, Quantity,
+                         Strict, Toleration, TopologySpreadConstraint, Volume, VolumeMount, follows)
 
 GROUP = "afd.inference.dev"
 VERSION = "v1alpha1"
@@ -438,11 +438,14 @@ class AFDDeploymentStatus(StatusModel):
 
 
 class ObjectMeta(BaseModel):
-    """The part of metadata the planner needs; the rest passes through untouched."""
+    """The part of metadata the planner needs, and the labels and annotations the API server
+    would refuse; the rest passes through untouched."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     name: Annotated[str, Field(min_length=1, max_length=kube_rules.DNS_SUBDOMAIN_MAX)]
     namespace: DNSLabel = "default"
+    labels: dict[QualifiedName, LabelValue] = Field(default_factory=dict)
+    annotations: Annotated[dict[QualifiedName, str], AfterValidator(_annotations_size)] = Field(default_factory=dict)
 
 
 class AFDDeployment(Strict):

@@ -85,7 +85,7 @@ def _yaml_problem(err: yaml.YAMLError) -> Problem:
         mark = err.problem_mark
         context = f" {err.context}" if err.context else ""
         return Problem("<yaml>", f"{err.problem}{context} (line {mark.line + 1}, column {mark.column + 1})")
-    return Problem("<yaml>", str(err))
+    return Problem("<yaml>", " ".join(str(err).split()))
 
 
 def decode(data: bytes) -> tuple[Optional[str], list[Problem]]:
@@ -106,9 +106,9 @@ def read_documents(data: bytes) -> tuple[list[Any], list[Problem]]:
     text, problems = decode(data)
     if text is None:
         return [], problems
-    loader = _Loader(text)
-    documents = []
+    loader, documents = None, []
     try:
+        loader = _Loader(text)  # its reader refuses control characters at once
         while loader.check_node():
             node = loader.get_node()
             problems += _duplicate_keys(node)
@@ -121,7 +121,8 @@ def read_documents(data: bytes) -> tuple[list[Any], list[Problem]]:
     except (ValueError, TypeError, OverflowError) as err:  # a tagged scalar its constructor cannot read
         return [], [Problem("<yaml>", f"cannot read a value: {err}")]
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     if problems:
         return [], problems
     return [d for d in documents if d is not None], []

@@ -58,7 +58,6 @@ def _quantity(value: Any) -> Any:
     return value
 
 
-Text = Annotated[str, Field(max_length=MAX_STRING)]
 DNSLabel = Annotated[str, follows(kube_rules.dns_label)]
 DNSSubdomain = Annotated[str, follows(kube_rules.dns_subdomain)]
 QualifiedName = Annotated[str, follows(kube_rules.qualified_name)]
@@ -175,7 +174,8 @@ class Toleration(Strict):
     operator: Literal["Exists", "Equal"] = "Equal"
     value: Optional[LabelValue] = None
     effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = None
-    toleration_seconds: Optional[int] = Field(None, ge=0, le=kube_rules.INT64_MAX)
+    # int32, not int64: the CRD schema's maximum goes through a float64, which 2**63 - 1 overflows.
+    toleration_seconds: Optional[int] = Field(None, ge=0, le=kube_rules.INT32_MAX)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Toleration":

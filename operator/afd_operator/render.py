@@ -21,10 +21,11 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from . import naming
-from .api import API_VERSION, KIND, AFDDeploymentSpec, EnvVar, PodTemplateOverrides
+from .api import API_VERSION, KIND, AFDDeploymentSpec, PodTemplateOverrides
 from .planner import (ASCEND_HOST_VOLUME, HCCN_VOLUME, METRICS_VOLUME, MODEL_VOLUME, SCRATCH_VOLUME, SHM_VOLUME,
                       InstancePlan, Plan, PodPlan, operator_mounts, prestop_seconds, read_only_root,
                       uses_host_network)
@@ -67,8 +68,32 @@ def image_version_label(image: str) -> Optional[str]:
     return tag or None
 
 
+@dataclass(frozen=True)
+class RolePieces:
+    """A role's pieces of the spec as every one of its pods carries them, put in wire form once
+    (an instance may have a thousand pods of a role)."""
+
+    env: list[Obj]
+    volumes: list[Obj]
+    volume_mounts: list[Obj]
+    tolerations: list[Obj]
+    affinity: Optional[Obj]
+    topology_spread_constraints: list[Obj]
+
+
+def role_pieces(spec: AFDDeploymentSpec, role: str) -> RolePieces:
+    role_spec = spec.attention if role == "attention" else spec.ffn
+    overrides = role_spec.pod_template
+    return RolePieces(
+        env=[u.model_dump(by_alias=True, exclude_none=True) for u in role_spec.env],
+        volumes=[wire(v) for v in overrides.volumes], volume_mounts=[wire(m) for m in overrides.volume_mounts],
+        tolerations=[wire(t) for t in overrides.tolerations],
+        affinity=wire(overrides.affinity) if overrides.affinity else None,
+        topology_spread_constraints=[wire(t) for t in overrides.topology_spread_constraints])
+
+
 def _env(plan_env: tuple[tuple[str, str], ...], spec: AFDDeploymentSpec, pod: PodPlan,
-         revision: str, instance: InstancePlan, user: list[EnvVar]) -> list[Obj]:
+         revision: str, instance: InstancePlan, user: list[Obj]) -> list[Obj]:
     def field(path: str) -> Obj:
         return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
 
@@ -86,10 +111,9 @@ def _env(plan_env: tuple[tuple[str, str], ...], spec: AFDDeploymentSpec, pod: Po
     ]
     env += [{"name": k, "value": v} for k, v in plan_env]
     # User variables win over the operator's defaults of the same name.
-    overridden = {u.name for u in user}
+    overridden = {u["name"] for u in user}
     env = [e for e in env if e["name"] not in overridden]
-    env += [u.model_dump(by_alias=True, exclude_none=True) for u in user]
-    return env
+    return env + user
 
 
 def _resources(spec: AFDDeploymentSpec, pod: PodPlan, overrides: PodTemplateOverrides) -> Obj:
@@ -126,7 +150,7 @@ def _operator_volume(spec: AFDDeploymentSpec, name: str, path: str) -> Obj:
     return {"name": name, "hostPath": {"path": path}}
 
 
-def _volumes(spec: AFDDeploymentSpec, pod: PodPlan, overrides: PodTemplateOverrides) -> tuple[list[Obj], list[Obj]]:
+def _volumes(spec: AFDDeploymentSpec, pod: PodPlan, pieces: RolePieces) -> tuple[list[Obj], list[Obj]]:
     volumes, mounts = [], []
     for name, path in operator_mounts(spec, head=pod.head).items():
         volumes.append(_operator_volume(spec, name, path))
@@ -134,9 +158,7 @@ def _volumes(spec: AFDDeploymentSpec, pod: PodPlan, overrides: PodTemplateOverri
         if volumes[-1].keys() & {"hostPath", "persistentVolumeClaim"}:
             mount["readOnly"] = True
         mounts.append(mount)
-    volumes += [wire(v) for v in overrides.volumes]
-    mounts += [wire(m) for m in overrides.volume_mounts]
-    return volumes, mounts
+    return volumes + pieces.volumes, mounts + pieces.volume_mounts
 
 
 def _security_contexts(spec: AFDDeploymentSpec) -> tuple[Obj, Obj]:
@@ -194,9 +216,10 @@ def additional_config_json(pod: PodPlan) -> str:
 
 
 def render_pod(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, pod: PodPlan,
-               owner: Optional[Obj] = None) -> Obj:
-    role_spec = spec.attention if pod.role == "attention" else spec.ffn
-    overrides = role_spec.pod_template
+               owner: Optional[Obj] = None, pieces: Optional[RolePieces] = None) -> Obj:
+    """One pod; `pieces` (role_pieces of its role) saves putting them in wire form per pod."""
+    overrides = (spec.attention if pod.role == "attention" else spec.ffn).pod_template
+    pieces = pieces or role_pieces(spec, pod.role)
     host_net = uses_host_network(spec)
     labels = _merge_labels(
         overrides.labels,
@@ -211,7 +234,7 @@ def render_pod(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, pod:
     annotations = dict(overrides.annotations)
     if spec.scheduling.gang.provider == "volcano":
         annotations["scheduling.k8s.io/group-name"] = instance.name
-    volumes, mounts = _volumes(spec, pod, overrides)
+    volumes, mounts = _volumes(spec, pod, pieces)
     ports = []
     for port_name, number in pod.ports:
         entry: Obj = {"name": port_name, "containerPort": number, "protocol": "TCP"}
@@ -224,7 +247,7 @@ def render_pod(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, pod:
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": [*pod.command, "--additional-config", additional_config_json(pod)],
-        "env": _env(pod.env, spec, pod, plan.revision, instance, role_spec.env),
+        "env": _env(pod.env, spec, pod, plan.revision, instance, pieces.env),
         "ports": ports,
         "resources": _resources(spec, pod, overrides),
         "volumeMounts": mounts,
@@ -261,12 +284,12 @@ def render_pod(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, pod:
         pod_spec["priorityClassName"] = spec.scheduling.priority_class_name
     if overrides.node_selector:
         pod_spec["nodeSelector"] = dict(overrides.node_selector)
-    if overrides.tolerations:
-        pod_spec["tolerations"] = [wire(t) for t in overrides.tolerations]
-    if overrides.affinity:
-        pod_spec["affinity"] = wire(overrides.affinity)
-    if overrides.topology_spread_constraints:
-        pod_spec["topologySpreadConstraints"] = [wire(t) for t in overrides.topology_spread_constraints]
+    if pieces.tolerations:
+        pod_spec["tolerations"] = pieces.tolerations
+    if pieces.affinity:
+        pod_spec["affinity"] = pieces.affinity
+    if pieces.topology_spread_constraints:
+        pod_spec["topologySpreadConstraints"] = pieces.topology_spread_constraints
     if overrides.service_account_name:
         pod_spec["serviceAccountName"] = overrides.service_account_name
     return {
@@ -413,7 +436,8 @@ def render_instance(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan,
         objs.append(render_network_policy(spec, plan, instance, network, owner))
     if spec.scheduling.gang.provider == "volcano":
         objs.append(render_pod_group(spec, plan, instance, owner))
-    objs += [render_pod(spec, plan, instance, pod, owner) for pod in instance.pods]
+    pieces = {role: role_pieces(spec, role) for role in ("attention", "ffn")}
+    objs += [render_pod(spec, plan, instance, pod, owner, pieces[pod.role]) for pod in instance.pods]
     return objs
 
 

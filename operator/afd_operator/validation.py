@@ -43,6 +43,9 @@ MAX_DEPLOYMENT_PODS = 8192
 MAX_DEPTH = 32
 MAX_NODES = 100_000
 MAX_STRING_BYTES = 256 * 1024
+# What a role's engineArgs, env and podTemplate may add to each of its pods: a pod is one etcd
+# object (at most 1.5 MiB), and the operator's own part is a few KiB.
+MAX_POD_EXTRAS_BYTES = 512 * 1024
 # How much of a field path or message one line of output shows.
 MAX_SHOWN = 300
 
@@ -439,6 +442,10 @@ def check_spec(spec: AFDDeploymentSpec, name: str, namespace: str = "default",
     problems += _check_stages(spec)
     for role in ("attention", "ffn"):
         role_spec = getattr(spec, role)
+        extras = len(role_spec.model_dump_json(include={"engine_args", "env", "pod_template"}))
+        if extras > MAX_POD_EXTRAS_BYTES:
+            problems.append(Problem(f"spec.{role}", f"engineArgs, env and podTemplate add {extras} bytes to each pod, "
+                                                    f"more than {MAX_POD_EXTRAS_BYTES} (a pod is one etcd object)"))
         problems += _check_env(f"spec.{role}.env", role_spec.env)
         problems += _check_pod_template(f"spec.{role}.podTemplate", spec, role_spec.pod_template)
     if policy.host_access is not None:

@@ -7,7 +7,7 @@ from .. import naming
 from ..controller import CreatePods, DeletePods, SetServing, StartDrain
 from ..observe import Observed, format_time, parse_time, summarize_pod
 from ..planner import plan_instance
-from ..render import render_pod
+from ..render import render_pod, role_pieces
 from ..writer import Writer
 from . import Round
 
@@ -20,7 +20,8 @@ class PodManager:
                 case CreatePods(revision=revision, index=index, role=role):
                     assert revision == r.plan.revision, "only the current revision is ever created"
                     instance = plan_instance(r.spec, r.plan.name, ns, revision, index)
-                    bodies = [render_pod(r.spec, r.plan, instance, pod, r.owner)
+                    pieces = role_pieces(r.spec, role)
+                    bodies = [render_pod(r.spec, r.plan, instance, pod, r.owner, pieces)
                               for pod in instance.pods_of(role)]  # type: ignore[arg-type]
                     r.writer.create_all(bodies, lambda body: intents.created.note(
                         body["metadata"]["name"], summarize_pod(body, created_at=now), now))
