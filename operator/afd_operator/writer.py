@@ -97,7 +97,10 @@ class Writer:
         body = {**obj, "apiVersion": version}
         self._count("create", obj["kind"])
         try:
-            self._resource(version, obj["kind"]).create(body=body, namespace=obj["metadata"].get("namespace"))
+            # Not turned into objects: nothing reads the answer (a large instance's creation spent
+            # as long on that as on the requests). Read, so the connection returns to the pool.
+            self._resource(version, obj["kind"]).create(body=body, namespace=obj["metadata"].get("namespace"),
+                                                        serialize=False).data
         except ConflictError:
             log.debug("%s %s already exists", obj["kind"], obj["metadata"]["name"])
         except ApiException as err:
