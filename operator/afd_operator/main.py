@@ -33,7 +33,9 @@ class AFDDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
 def register(config: OperatorConfig) -> None:
     """Handlers that depend on the configuration (the webhook needs a server to exist)."""
     if config.webhook is not None:
-        kopf.on.validate(GROUP, VERSION, PLURAL, id="afddeployment-validation")(validate_afddeployment)
+        # Not DELETE: an object must stay deletable whatever today's rules say of it.
+        kopf.on.validate(GROUP, VERSION, PLURAL, id="afddeployment-validation",
+                         operations=["CREATE", "UPDATE"])(validate_afddeployment)
 
 
 @kopf.on.login()

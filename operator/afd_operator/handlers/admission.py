@@ -14,9 +14,9 @@ from ..validation import validate_object
 def validate_afddeployment(body: kopf.Body, memo: kopf.Memo, operation: Optional[str] = None,
                            old: Optional[kopf.Body] = None, **_: Any) -> None:
     spec = dict(body.get("spec") or {})
-    if operation == "UPDATE" and old is not None and dict(old.get("spec") or {}) == spec:
-        # Metadata only (finalizers, annotations, labels): an object stored under older or laxer
-        # rules must stay deletable, and its finalizer removable.
+    if operation not in ("CREATE", "UPDATE") or (old is not None and dict(old.get("spec") or {}) == spec):
+        # A deletion, or metadata only (finalizers, annotations, labels): an object stored under
+        # older or laxer rules must stay deletable, and its finalizer removable.
         return
     obj = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
            "metadata": dict(body.metadata), "spec": spec}
