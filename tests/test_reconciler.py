@@ -192,3 +192,22 @@ def test_api_error_names_the_verb_kind_and_the_apis_own_reason() -> None:
     assert str(refused) == 'create Pod x: 422 Invalid: Pod "x" is invalid: spec.containers[0].image: Required value'
     bare = ApiWriteError.from_api("delete", "Service", "y", ApiException(status=500, reason="Internal Server Error"))
     assert write_failure_reason(bare) == "DeleteServiceInternalServerError" and bare.code == 500
+
+
+def test_the_deployment_wide_budget_of_earlier_versions_gives_way_to_one_per_instance() -> None:
+    ns = Namespace({"a": spec(replicas=2)})
+    old_budget = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {
+        "name": "a", "namespace": NS, "labels": naming.base_labels("a", "pdb")},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": naming.selector_labels("a")}}}
+    ns.writer.create(old_budget)
+    ns.until(lambda: ns.status("a").get("readyReplicas") == 2, "2 instances Ready")
+    budgets = {name: body for (kind, _, name), body in ns.writer.objects.items() if kind == "PodDisruptionBudget"}
+    instances = {i["name"] for i in ns.status("a")["instances"]}
+    assert set(budgets) == instances
+    assert all(b["spec"]["minAvailable"] == 2 for b in budgets.values())  # 3 pods per instance
+    # Each instance's budget goes with its instance.
+    ns.specs["a"] = spec(replicas=1)
+    ns.until(lambda: len(ns.status("a").get("instances", [])) == 1 and len(ns.writer.pods(NS)) == 3, "scaled to 1")
+    ns.round()
+    budgets = {name for (kind, _, name) in ns.writer.objects if kind == "PodDisruptionBudget"}
+    assert budgets == {i["name"] for i in ns.status("a")["instances"]}
