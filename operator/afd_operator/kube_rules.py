@@ -33,25 +33,24 @@ _SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "E
              "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
 
 
+def _fits(value: str, pattern: re.Pattern, limit: int, rule: str) -> Optional[str]:
+    return None if len(value) <= limit and pattern.fullmatch(value) else rule
+
+
 def dns_label(value: str) -> Optional[str]:
-    if len(value) > DNS_LABEL_MAX or not _DNS_1123_LABEL.fullmatch(value):
-        return (f"must be a DNS label: at most {DNS_LABEL_MAX} lowercase letters, digits and '-', "
-                "starting and ending with a letter or digit")
-    return None
+    return _fits(value, _DNS_1123_LABEL, DNS_LABEL_MAX, f"must be a DNS label: at most {DNS_LABEL_MAX} lowercase "
+                 "letters, digits and '-', starting and ending with a letter or digit")
 
 
 def dns_1035_label(value: str) -> Optional[str]:
-    if len(value) > DNS_LABEL_MAX or not _DNS_1035_LABEL.fullmatch(value):
-        return (f"must be a DNS-1035 label: at most {DNS_LABEL_MAX} lowercase letters, digits and '-', "
-                "starting with a letter")
-    return None
+    return _fits(value, _DNS_1035_LABEL, DNS_LABEL_MAX, f"must be a DNS-1035 label: at most {DNS_LABEL_MAX} "
+                 "lowercase letters, digits and '-', starting with a letter")
 
 
 def dns_subdomain(value: str) -> Optional[str]:
-    if len(value) > DNS_SUBDOMAIN_MAX or not _DNS_1123_SUBDOMAIN.fullmatch(value):
-        return (f"must be a DNS subdomain: at most {DNS_SUBDOMAIN_MAX} lowercase letters, digits, '-' and '.', "
-                "starting and ending with a letter or digit")
-    return None
+    return _fits(value, _DNS_1123_SUBDOMAIN, DNS_SUBDOMAIN_MAX, f"must be a DNS subdomain: at most "
+                 f"{DNS_SUBDOMAIN_MAX} lowercase letters, digits, '-' and '.', starting and ending with a letter or "
+                 "digit")
 
 
 def qualified_name(value: str) -> Optional[str]:

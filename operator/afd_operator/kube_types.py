@@ -34,6 +34,13 @@ class Strict(BaseModel):
     )
 
 
+def exactly_one(model: BaseModel, fields: tuple[str, ...]) -> None:
+    """Refuse `model` unless exactly one of `fields` (camelCase) is set."""
+    given = sum(getattr(model, to_snake(name)) is not None for name in fields)
+    if given != 1:
+        raise ValueError(f"set exactly one of {', '.join(fields)} (got {given})")
+
+
 def wire(model: BaseModel) -> dict[str, Any]:
     """A typed piece as the API server reads it: camelCase, only what was set."""
     return model.model_dump(by_alias=True, exclude_defaults=True)
@@ -251,9 +258,7 @@ class Volume(Strict):
 
     @model_validator(mode="after")
     def _one_source(self) -> "Volume":
-        given = [s for s in VOLUME_SOURCES if getattr(self, to_snake(s)) is not None]
-        if len(given) != 1:
-            raise ValueError(f"set exactly one volume source of {', '.join(VOLUME_SOURCES)} (got {len(given)})")
+        exactly_one(self, VOLUME_SOURCES)
         return self
 
 
@@ -307,9 +312,7 @@ class EnvVarSource(Strict):
 
     @model_validator(mode="after")
     def _one_reference(self) -> "EnvVarSource":
-        if sum(v is not None for v in (self.field_ref, self.resource_field_ref, self.config_map_key_ref,
-                                       self.secret_key_ref)) != 1:
-            raise ValueError("set exactly one of fieldRef, resourceFieldRef, configMapKeyRef, secretKeyRef")
+        exactly_one(self, ("fieldRef", "resourceFieldRef", "configMapKeyRef", "secretKeyRef"))
         return self
 
 
