@@ -211,3 +211,23 @@ def test_the_deployment_wide_budget_of_earlier_versions_gives_way_to_one_per_ins
     ns.round()
     budgets = {name for (kind, _, name) in ns.writer.objects if kind == "PodDisruptionBudget"}
     assert budgets == {i["name"] for i in ns.status("a")["instances"]}
+
+
+def test_a_spec_that_breaks_the_validator_is_reported_and_still_torn_down(monkeypatch) -> None:
+    import afd_operator.validation as validation
+
+    ns = Namespace({"a": spec()})
+    ns.until(lambda: ns.status("a").get("readyReplicas") == 1, "Ready")
+
+    def broken(*_: Any, **__: Any) -> list:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(validation, "check_spec", broken)
+    ns.round()
+    condition = next(c for c in ns.status("a")["conditions"] if c["type"] == "ConfigValid")
+    assert (condition["status"], condition["message"]) == (
+        "False", "spec: could not be validated (RecursionError: maximum recursion depth exceeded)")
+    assert len(ns.writer.pods(NS)) == 3  # nothing is changed for a spec that cannot be judged
+    ns.deleting.add("a")
+    ns.until(lambda: "a" in ns.gone, "torn down")
+    assert ns.writer.pods(NS) == [] and not [k for k in ns.writer.objects if k[0] != "Event"]
