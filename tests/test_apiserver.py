@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from afd_operator.api import GROUP, VERSION
+from afd_operator.api import GROUP, MAX_REPLICAS, VERSION
 from afd_operator.crd import CRD_NAME
 from afd_operator.planner import plan
 from afd_operator.render import render
@@ -74,6 +74,10 @@ def test_scale_subresource(dyn, cluster: ControlPlane, namespace: str, examples:
     _afd(dyn).create(body=doc, namespace=namespace)
     name = doc["metadata"]["name"]
     cluster.kubectl("scale", "afd", name, "-n", namespace, "--replicas=5")
+    assert _afd(dyn).get(name=name, namespace=namespace).spec.replicas == 5
+    # The scale subresource passes no webhook: the schema's maximum holds it.
+    beyond = cluster.kubectl("scale", "afd", name, "-n", namespace, f"--replicas={MAX_REPLICAS + 1}", check=False)
+    assert beyond.returncode != 0 and f"less than or equal to {MAX_REPLICAS}" in beyond.stderr, beyond.stderr
     assert _afd(dyn).get(name=name, namespace=namespace).spec.replicas == 5
 
 
