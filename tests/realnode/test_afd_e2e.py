@@ -115,7 +115,7 @@ def plain_vllm(real_node: RealNode, project_images: dict, checkpoint: Path, name
                                "jsonpath={.status.podIP}").stdout.strip()
         return complete(ip, API_PORT, NAME)
     except Exception:
-        print(real_node.kubectl("logs", "-n", namespace, "plain-vllm", "--tail=60", check=False).stdout)
+        print(real_node.kubectl("logs", "-n", namespace, "plain-vllm", "--tail=400", check=False).stdout)
         raise
     finally:
         real_node.kubectl("delete", "-n", namespace, "pod", "plain-vllm", "--timeout=120s", check=False)
