@@ -43,7 +43,7 @@ HANG_SECONDS = 10
 NASTY: list[Any] = [
     None, True, False, 0, 1, -1, 2, 7, 64, 513, 1025, 2**31, 2**63, 2**64, 1e30, 0.5, -0.0, math.nan, math.inf,
     -math.inf, "", " ", " 2", "2", "500m", "4Gi", "-1Gi", "1e3", "0x10", "25%", "150%", "a b", "A_B", "ok",
-    "default", "/abs/path", "relative/path", "/data/../etc", "x" * 70, "y" * 300, "tab\there", "new\nline",
+    "default", "/abs/path", "/tmp", "/dev/shm", "relative/path", "/data/../etc", "x" * 70, "y" * 300, "tab\there", "new\nline",
     "nul\x00byte", "Ünïcödé", "afd.inference.dev/serving", "example.com/key", "--port=1", "--enforce-eager",
     "Always", "Memory", "Exists", "NoExecute", [], [1, "two"], {}, {"a": 1}, {"nested": {"deeper": [{}]}},
 ]

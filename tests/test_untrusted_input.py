@@ -124,6 +124,12 @@ CASES: list[tuple[str, Callable[[], bytes], str, str]] = [
      "spec.ffn.podTemplate.volumes[0].name", "'dshm' is a volume of the operator"),
     ("operator-mount-path", lambda: changed("spec.ffn.podTemplate.volumeMounts", [{"name": "dshm", "mountPath": "/tmp/"}]),
      "spec.ffn.podTemplate.volumeMounts[0].mountPath", "already used by the operator's volume 'scratch'"),
+    ("model-on-scratch", lambda: changed("spec.model", {"name": "m", "path": "/tmp/m",
+                                                        "volume": {"claimName": "w", "mountPath": "/tmp"}}),
+     "spec.model.volume.mountPath", "'/tmp' is already mounted by the operator (volume 'scratch')"),
+    ("driver-path-twice", lambda: changed("spec.platform", "ascend").replace(
+        b"platform: ascend", b"platform: ascend\n  ascend: {hostNetwork: false, driverHostPaths: [/opt/d, /opt/d/]}"),
+     "spec.ascend.driverHostPaths[1]", "'/opt/d/' is already mounted by the operator (volume 'ascend-host-0')"),
     ("unknown-volume-source", lambda: changed("spec.ffn.podTemplate.volumes", [{"name": "n", "nfs": {"server": "x"}}]),
      "spec.ffn.podTemplate.volumes[0].nfs", "unknown field"),
     ("toleration-typo", lambda: changed("spec.ffn.podTemplate.tolerations", [{"keyy": "x", "operator": "Exists"}]),

@@ -25,8 +25,8 @@ from . import kube_rules, naming
 from .api import (MAX_REPLICAS, MAX_ROLE_RANKS, RESOURCE_NAMES, AFDDeployment, AFDDeploymentSpec, EnvVar,
                   PodTemplateOverrides, ResourceRequirements)
 from .kube_rules import quantity_value
-from .planner import (attention_layout, ffn_layout, instance_ports, operator_mounts, role_configs, rollout_budget,
-                      spec_stage_limit, uses_host_network)
+from .planner import (ASCEND_HOST_VOLUME, HCCN_VOLUME, MODEL_VOLUME, attention_layout, ffn_layout, instance_ports,
+                      operator_mounts, role_configs, rollout_budget, spec_stage_limit, uses_host_network)
 from .policy import UNCHECKED_HOST_ACCESS, ClusterPolicy, HostAccess, under
 from .revision import REVISION_LENGTH, revision_of
 
@@ -165,6 +165,26 @@ def _check_env(path: str, env: list[EnvVar]) -> list[Problem]:
         if var.name in seen:
             problems.append(Problem(f"{path}[{i}].name", f"duplicate of {path}[{seen[var.name]}].name '{var.name}'"))
         seen.setdefault(var.name, i)
+    return problems
+
+
+def _spec_field_of_mount(volume: str) -> str:
+    """The spec field that puts one of the operator's volumes into the pods."""
+    if volume.startswith(f"{ASCEND_HOST_VOLUME}-"):
+        return f"spec.ascend.driverHostPaths[{volume.rsplit('-', 1)[1]}]"
+    return {MODEL_VOLUME: "spec.model.volume.mountPath", HCCN_VOLUME: "spec.ascend.mountHccnConf"}.get(volume, "spec")
+
+
+def _check_operator_mounts(spec: AFDDeploymentSpec) -> list[Problem]:
+    """The operator's own mounts at distinct paths: the model's mount path and the Ascend driver
+    paths come from the spec and must not land on /tmp, /dev/shm or one another."""
+    problems, owner = [], {}
+    for volume, path in operator_mounts(spec).items():
+        key = path.rstrip("/") or "/"
+        if key in owner:
+            problems.append(Problem(_spec_field_of_mount(volume), f"'{path}' is already mounted by the operator "
+                                                                   f"(volume '{owner[key]}')"))
+        owner.setdefault(key, volume)
     return problems
 
 
@@ -440,6 +460,7 @@ def check_spec(spec: AFDDeploymentSpec, name: str, namespace: str = "default",
     problems += _check_ports(spec, max_index)
     problems += _check_engine_args(spec)
     problems += _check_stages(spec)
+    problems += _check_operator_mounts(spec)
     for role in ("attention", "ffn"):
         role_spec = getattr(spec, role)
         extras = len(role_spec.model_dump_json(include={"engine_args", "env", "pod_template"}))
