@@ -7,10 +7,12 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import pytest
+import yaml
 from hypothesis import settings
 from xdist.scheduler import LoadScopeScheduling
 
 from afd_devcluster import ControlPlane, control_plane
+from k8s_helpers import EXAMPLES_HOST_ACCESS
 
 # Property tests assert results, not speed: hypothesis' per-example deadline (200 ms) fails
 # them on a machine that is busy (measured: 2.7 s for one example beside a real-node run).
@@ -118,6 +120,14 @@ def api_client(cluster: ControlPlane):
     api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
     yield api
     api.close()
+
+
+@pytest.fixture(scope="session")
+def examples_policy_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A chart values file granting what the examples use of their nodes (`--policy`)."""
+    path = tmp_path_factory.mktemp("policy") / "values.yaml"
+    path.write_text(yaml.safe_dump(EXAMPLES_HOST_ACCESS))
+    return path
 
 
 @pytest.fixture(scope="session")

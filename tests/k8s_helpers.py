@@ -10,6 +10,11 @@ import yaml
 from afd_devcluster.tools import Helm, wait_for  # noqa: F401  (re-exported for the tests)
 
 
+# The chart values the examples need from a cluster admin (docs/install.md, "Host access", shows
+# them; tests/test_host_access.py checks the two agree).
+EXAMPLES_HOST_ACCESS = {"hostAccess": {"hostPathPrefixes": ["/srv/models", "/data/models"], "hostNetwork": True}}
+
+
 class _Delete:
     """A value for set_path that removes the key; one repr in every process (test ids under xdist)."""
 

@@ -96,6 +96,8 @@ class Env:
             "pods": sorted(p.metadata.name for p in self.pods()),
             "services": sorted(s.metadata.name for s in self.core.list_namespaced_service(self.ns, label_selector=sel).items),
             "configmaps": sorted(c.metadata.name for c in self.core.list_namespaced_config_map(self.ns, label_selector=sel).items),
+            "guards": sorted(self.cluster.kubectl("get", "poddisruptionbudgets,networkpolicies", "-n", self.ns, "-l", sel,
+                                                  "-o", "name").stdout.split()),
         }
 
     def instances(self) -> dict[str, list[Any]]:

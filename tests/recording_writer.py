@@ -16,7 +16,9 @@ from afd_operator.observe import Observed, format_time, summarize_object, summar
 from afd_operator.writer import ApiWriteError
 
 # Kinds a plain cluster serves (no Volcano, no Prometheus Operator).
-SERVED = frozenset({"Pod", "Service", "ConfigMap", "PodDisruptionBudget", "Event", KIND})
+SERVED = frozenset({"Pod", "Service", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy", "Event", KIND})
+# Kinds the operator's watch caches hold (handlers/children.py).
+WATCHED = ("Service", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,11 @@ class RecordingWriter:
         body["metadata"]["creationTimestamp"] = format_time(self.now)
         self.objects.setdefault((obj["kind"], meta["namespace"], meta["name"]), body)
 
+    def create_all(self, objs: list[Mapping[str, Any]], on_created: Callable[[Mapping[str, Any]], None]) -> None:
+        for obj in objs:  # in order: what the real writer sends concurrently, this one keeps
+            self.create(obj)
+            on_created(obj)
+
     def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
         found = self.objects.get((kind, namespace, name))
         self._write("patch", kind, namespace, name, (found or {}).get("metadata", {}).get("labels") or {})
@@ -105,7 +112,7 @@ class RecordingWriter:
                 if ns == namespace and (body["metadata"].get("labels") or {}).get(naming.LABEL_DEPLOYMENT) == deployment]
         return Observed(
             pods=tuple(p for p in (summarize_pod(body) for kind, body in mine if kind == "Pod") if p is not None),
-            objects=tuple(summarize_object(kind, body) for kind, body in mine if kind in ("Service", "ConfigMap")),
+            objects=tuple(summarize_object(kind, body) for kind, body in mine if kind in WATCHED),
         )
 
     def run_pods(self) -> None:

@@ -11,43 +11,19 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from afd_operator.api import GROUP, VERSION
-from afd_operator.crd import CRD_FILE, CRD_NAME
+from afd_operator.api import GROUP, MAX_REPLICAS, VERSION
+from afd_operator.crd import CRD_NAME
 from afd_operator.planner import plan
 from afd_operator.render import render
 from afd_operator.validation import validate_object
 from afd_devcluster import ControlPlane
+from dry_run import dry_run_create, ensure_priority_class, serving_client, wait_established
 from k8s_helpers import DELETE, delete_afddeployments, set_path
-
-THIRD_PARTY_CRDS = Path(__file__).parent / "fixtures" / "third-party-crds.yaml"
-# The 1.20 test server predates policy/v1 PodDisruptionBudget (1.21); the v1beta1 schema of
-# the fields rendered (maxUnavailable, selector) is the same.
-SERVED_AS = {("policy/v1", "PodDisruptionBudget"): "policy/v1beta1"}
-
-
-def _wait_established(dyn, name: str) -> dict[str, Any]:
-    crds = dyn.resources.get(api_version="apiextensions.k8s.io/v1", kind="CustomResourceDefinition")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        obj = crds.get(name=name).to_dict()
-        conds = {c["type"]: c["status"] for c in obj.get("status", {}).get("conditions", [])}
-        if conds.get("Established") == "True":
-            return obj
-        time.sleep(0.2)
-    raise AssertionError(f"CRD {name} not Established: {conds}")
 
 
 @pytest.fixture(scope="module")
 def dyn(api_client, cluster: ControlPlane, repo_root: Path):
-    from kubernetes.dynamic import DynamicClient
-
-    for path in (repo_root / "crds" / CRD_FILE, THIRD_PARTY_CRDS):
-        cluster.kubectl("apply", "-f", str(path))
-    client = DynamicClient(api_client)
-    for name in (CRD_NAME, "podgroups.scheduling.volcano.sh", "podmonitors.monitoring.coreos.com"):
-        _wait_established(client, name)
-    # Discovery is cached by the client: refresh it now that the CRDs are served.
-    return DynamicClient(api_client)
+    return serving_client(api_client, cluster, repo_root)
 
 
 @pytest.fixture()
@@ -67,7 +43,7 @@ def _example_docs(examples: list[Path]) -> list[dict[str, Any]]:
 
 
 def test_crd_is_established_structural_and_has_subresources(dyn) -> None:
-    crd = _wait_established(dyn, CRD_NAME)
+    crd = wait_established(dyn, CRD_NAME)
     conds = {c["type"]: c for c in crd["status"]["conditions"]}
     assert conds.get("NonStructuralSchema", {}).get("status") != "True"
     version = crd["spec"]["versions"][0]
@@ -96,6 +72,10 @@ def test_scale_subresource(dyn, cluster: ControlPlane, namespace: str, examples:
     _afd(dyn).create(body=doc, namespace=namespace)
     name = doc["metadata"]["name"]
     cluster.kubectl("scale", "afd", name, "-n", namespace, "--replicas=5")
+    assert _afd(dyn).get(name=name, namespace=namespace).spec.replicas == 5
+    # The scale subresource passes no webhook: the schema's maximum holds it.
+    beyond = cluster.kubectl("scale", "afd", name, "-n", namespace, f"--replicas={MAX_REPLICAS + 1}", check=False)
+    assert beyond.returncode != 0 and f"less than or equal to {MAX_REPLICAS}" in beyond.stderr, beyond.stderr
     assert _afd(dyn).get(name=name, namespace=namespace).spec.replicas == 5
 
 
@@ -145,29 +125,15 @@ def test_kubectl_rejects_unknown_fields(cluster: ControlPlane, dyn, namespace: s
     assert "tensorParalel" in result.stderr
 
 
-def _ensure_priority_class(dyn, name: str) -> None:
-    from kubernetes.dynamic.exceptions import ConflictError
-
-    classes = dyn.resources.get(api_version="scheduling.k8s.io/v1", kind="PriorityClass")
-    try:
-        classes.create(body={"metadata": {"name": name}, "value": 1000})
-    except ConflictError:
-        pass
-
-
 def test_every_rendered_object_is_accepted(dyn, namespace: str, examples: list[Path]) -> None:
     created = 0
     for doc in _example_docs(examples):
         obj, problems = validate_object(doc)
         assert problems == []
-        if obj.spec.scheduling.priority_class_name:  # pods naming a missing class are refused
-            _ensure_priority_class(dyn, obj.spec.scheduling.priority_class_name)
+        if obj.spec.scheduling.priority_class_name:
+            ensure_priority_class(dyn, obj.spec.scheduling.priority_class_name)
         p = plan(obj.spec, obj.metadata.name, namespace)
         for o in render(obj.spec, p, owner_uid=str(uuid.uuid4())):
-            api_version = SERVED_AS.get((o["apiVersion"], o["kind"]), o["apiVersion"])
-            resource = dyn.resources.get(api_version=api_version, kind=o["kind"])
-            body = {**o, "apiVersion": api_version}
-            result = resource.create(body=body, namespace=namespace, dry_run="All").to_dict()
-            assert result["metadata"]["name"] == o["metadata"]["name"]
+            assert dry_run_create(dyn, o, namespace)["metadata"]["name"] == o["metadata"]["name"]
             created += 1
     assert created >= 15

@@ -43,7 +43,10 @@ NAMESPACED_RULES = [
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["list", "watch", "create", "delete"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
-    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"],
+     "verbs": ["list", "watch", "create", "patch", "delete"]},
+    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
+     "verbs": ["list", "watch", "create", "patch", "delete"]},
     {"apiGroups": ["monitoring.coreos.com"], "resources": ["podmonitors"], "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": ["scheduling.volcano.sh"], "resources": ["podgroups"], "verbs": ["get", "create", "delete"]},
 ]
@@ -273,7 +276,8 @@ class Walkthrough:
 
     def start_operator(self) -> None:
         """What the chart's Deployment would run, as a local process: its ServiceAccount's token,
-        its arguments, the certificate from its Secret (no kubelet runs the pod here)."""
+        its arguments, the certificate from its Secret and the policy from its ConfigMap (no
+        kubelet runs the pod here)."""
         manifest = subprocess.run(["helm", "get", "manifest", RELEASE, "-n", RELEASE_NS], env=self.env,
                                   capture_output=True, text=True, check=True).stdout
         (deployment,) = [d for d in yaml.safe_load_all(manifest) if d and d["kind"] == "Deployment"]
@@ -284,8 +288,12 @@ class Walkthrough:
         for key in ("tls.crt", "tls.key"):
             files[key] = self.workdir / key
             files[key].write_bytes(base64.b64decode(secret["data"][key]))
+        policy = json.loads(self.cluster.kubectl("get", "configmap", f"{RELEASE}-policy", "-n", RELEASE_NS,
+                                                 "-o", "json").stdout)
+        files["policy"] = self.workdir / "policy.yaml"
+        files["policy"].write_text(policy["data"]["values.yaml"])
         replaced = {"--webhook-port": str(self.webhook_port), "--webhook-cert": str(files["tls.crt"]),
-                    "--webhook-key": str(files["tls.key"])}
+                    "--webhook-key": str(files["tls.key"]), "--policy": str(files["policy"])}
         args = []
         for arg in chart_args:
             flag = arg.split("=", 1)[0]
@@ -361,7 +369,8 @@ CAN = [("list", "afddeployments.afd.inference.dev", ""), ("watch", "afddeploymen
        ("create", "services", ""), ("patch", "services", ""), ("delete", "services", ""),
        ("create", "configmaps", ""), ("delete", "configmaps", ""), ("create", "events", ""),
        ("watch", "endpointslices.discovery.k8s.io", ""),
-       ("get", "poddisruptionbudgets.policy", ""), ("create", "poddisruptionbudgets.policy", ""),
+       ("watch", "poddisruptionbudgets.policy", ""), ("create", "poddisruptionbudgets.policy", ""),
+       ("watch", "networkpolicies.networking.k8s.io", ""), ("patch", "networkpolicies.networking.k8s.io", ""),
        ("patch", "podmonitors.monitoring.coreos.com", ""), ("delete", "podgroups.scheduling.volcano.sh", ""),
        ("list", "customresourcedefinitions.apiextensions.k8s.io", "")]
 CANNOT = [("get", "secrets", ""), ("list", "secrets", ""), ("watch", "secrets", ""), ("create", "secrets", ""),
@@ -373,7 +382,8 @@ CANNOT = [("get", "secrets", ""), ("list", "secrets", ""), ("watch", "secrets", 
           ("patch", "validatingwebhookconfigurations.admissionregistration.k8s.io", ""),
           ("create", "clusterrolebindings.rbac.authorization.k8s.io", ""), ("create", "serviceaccounts", "token"),
           ("patch", "podgroups.scheduling.volcano.sh", ""), ("delete", "events", ""),
-          ("patch", "endpointslices.discovery.k8s.io", ""), ("*", "*", "")]
+          ("patch", "endpointslices.discovery.k8s.io", ""), ("update", "poddisruptionbudgets.policy", ""),
+          ("create", "pods", "eviction"), ("*", "*", "")]
 
 
 @pytest.mark.parametrize("verb, resource, subresource, allowed",

@@ -45,7 +45,8 @@ def test_validate_lists_every_problem(tmp_path: Path) -> None:
     assert code == 1 and out == ""
     lines = err.splitlines()
     assert f"{bad}: spec.replicas: Input should be greater than or equal to 0" in lines
-    assert f"{bad}: spec.attention.tensorParalel: unknown field (not part of the AFDDeployment API)" in lines
+    assert (f"{bad}: spec.attention.tensorParalel: unknown field (not part of the AFDDeployment API; field names "
+            "are camelCase)") in lines
 
 
 def test_cross_field_problems_on_stderr(tmp_path: Path) -> None:

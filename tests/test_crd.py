@@ -7,16 +7,14 @@ from typing import Any, Iterator
 
 import yaml
 
+from afd_operator.api import (MAX_ENGINE_ARGS, MAX_EXTRA_CONFIG_KEYS, MAX_REPLICAS, MAX_ROLE_RANKS,
+                              MAX_SECONDS)
 from afd_operator.crd import CRD_FILE, build_crd, crd_yaml
+from afd_operator.kube_types import MAX_LIST_ITEMS
 
-# Free-form by design; nothing else may preserve unknown fields.
-FREE_FORM_PATHS = {
-    "spec.connector.extraConfig",
-    "spec.attention.env[].valueFrom", "spec.ffn.env[].valueFrom",
-    *(f"spec.{role}.podTemplate.{field}" for role in ("attention", "ffn")
-      for field in ("tolerations[]", "affinity", "topologySpreadConstraints[]", "volumes[]",
-                    "volumeMounts[]", "resources")),
-}
+# Nothing preserves unknown fields: the API server prunes what the models do not know, and
+# afdctl and the webhook refuse it, so no field reaches a pod unchecked.
+FREE_FORM_PATHS: set[str] = set()
 
 
 def walk(schema: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -53,6 +51,18 @@ def test_int_or_percent_fields() -> None:
     strategy = root["properties"]["spec"]["properties"]["updateStrategy"]["properties"]
     assert strategy["maxSurge"]["x-kubernetes-int-or-string"] is True
     assert strategy["maxUnavailable"]["x-kubernetes-int-or-string"] is True
+
+
+def test_documented_maxima_are_enforced_by_the_schema() -> None:
+    spec = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert spec["replicas"]["maximum"] == MAX_REPLICAS  # `kubectl scale` goes through the schema, not the webhook
+    assert spec["attention"]["properties"]["dataParallel"]["maximum"] == MAX_ROLE_RANKS
+    assert spec["ffn"]["properties"]["ranks"]["maximum"] == MAX_ROLE_RANKS
+    assert spec["attention"]["properties"]["engineArgs"]["maxItems"] == MAX_ENGINE_ARGS
+    assert spec["connector"]["properties"]["extraConfig"]["maxProperties"] == MAX_EXTRA_CONFIG_KEYS
+    assert spec["termination"]["properties"]["gracePeriodSeconds"]["maximum"] == MAX_SECONDS
+    volumes = spec["ffn"]["properties"]["podTemplate"]["properties"]["volumes"]
+    assert volumes["maxItems"] == MAX_LIST_ITEMS and "hostPath" in volumes["items"]["properties"]
 
 
 def test_status_fields_declared_so_nothing_is_pruned() -> None:

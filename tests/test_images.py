@@ -92,6 +92,15 @@ def test_operator_image_runs_non_root_with_the_cli(repo_root: Path, pyproject: d
     assert not [kind for kind, _ in steps if kind == "HEALTHCHECK"], "Kubernetes probes do the health checks"
 
 
+def test_cpu_runtime_image_runs_as_a_numeric_non_root_user(repo_root: Path) -> None:
+    """The operator renders CPU pods with runAsNonRoot, which kubelet checks against a numeric USER."""
+    steps = instructions(dockerfile(repo_root, "runtime-cpu"))
+    users = [rest for kind, rest in steps if kind == "USER"]
+    assert users and re.fullmatch(r"[1-9][0-9]*:[1-9][0-9]*", users[-1]), "the last USER must be numeric non-root"
+    after_user = steps[[i for i, (kind, _) in enumerate(steps) if kind == "USER"][-1]:]
+    assert not [rest for kind, rest in after_user if kind == "RUN"], "the build's own steps run before USER"
+
+
 def test_runtime_cpu_image_installs_the_lock(repo_root: Path, pyproject: dict) -> None:
     text = dockerfile(repo_root, "runtime-cpu").read_text()
     lock_path = repo_root / LOCK

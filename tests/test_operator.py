@@ -71,10 +71,14 @@ def test_create_starts_ffn_first_and_becomes_ready(env: Env) -> None:
     assert status["instances"][0]["phase"] == "Ready" and status["instances"][0]["podsReady"] == 3
     conditions = {c["type"]: c["status"] for c in status["conditions"]}
     assert conditions == {"Ready": "True", "Available": "True", "Progressing": "False", "Degraded": "False",
-                          "ConfigValid": "True"}
+                          "ConfigValid": "True", "NetworkIsolated": "True"}
     assert any(e.startswith("CreatingInstance") for e in env.events("svc"))
     assert any("-> Ready" in e for e in env.events("svc"))
-    assert env.owned()["services"] == sorted(["svc", status["instances"][0]["name"]])
+    instance = status["instances"][0]["name"]
+    assert env.owned()["services"] == sorted(["svc", instance])
+    # The instance's guards, as the API server stored them: a budget of one pod, a NetworkPolicy.
+    assert env.owned()["guards"] == [f"networkpolicy.networking.k8s.io/{instance}",
+                                     f"poddisruptionbudget.policy/{instance}"]
 
 
 def test_no_op_reconcile_makes_zero_writes(env: Env) -> None:
@@ -213,7 +217,7 @@ def test_delete_tears_down_in_order_and_leaves_nothing(env: Env) -> None:
         env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, "gone")
         wait_for(lambda: env.get("gone") is None, "finalizer removed", CONVERGE_SECONDS)
     deleted_at = deletions.deleted_at
-    assert env.owned() == {"pods": [], "services": [], "configmaps": []}
+    assert env.owned() == {"pods": [], "services": [], "configmaps": [], "guards": []}
     for instance in {n.rsplit("-", 2)[0] for n in deleted_at}:
         attention = [t for n, t in deleted_at.items() if n.startswith(instance) and "-attn-" in n]
         ffn = [t for n, t in deleted_at.items() if n.startswith(instance) and "-ffn-" in n]

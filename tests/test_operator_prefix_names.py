@@ -75,5 +75,5 @@ def test_prefix_named_deployments_never_touch_each_others_pods(env: Env) -> None
             env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, name)
         for name in NAMES:
             wait_for(lambda: env.get(name) is None, f"{name} torn down", CONVERGE_SECONDS)
-    assert env.owned() == {"pods": [], "services": [], "configmaps": []}
+    assert env.owned() == {"pods": [], "services": [], "configmaps": [], "guards": []}
     assert ledger.events > 0

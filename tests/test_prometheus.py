@@ -38,12 +38,13 @@ def namespace(cluster: ControlPlane, repo_root: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def operator(cluster: ControlPlane, api_client, namespace: str, repo_root: Path,
-             tmp_path_factory) -> Iterator[OperatorProcess]:
+def operator(cluster: ControlPlane, api_client, namespace: str, repo_root: Path, tmp_path_factory,
+             examples_policy_file: Path) -> Iterator[OperatorProcess]:
     log = tmp_path_factory.mktemp("prom-operator") / "operator.log"
     with FakeKubelet(api_client, ["prom-node-0", "prom-node-1"],
                      label_selector=f"{naming.LABEL_MANAGED_BY}={naming.MANAGER}", deletion_delay_seconds=0.2), \
-            OperatorProcess(cluster.operator_kubeconfig, log, namespaces=(namespace,), resync_seconds=0.5) as proc:
+            OperatorProcess(cluster.operator_kubeconfig, log, namespaces=(namespace,), resync_seconds=0.5,
+                            extra_args=("--policy", str(examples_policy_file))) as proc:
         cluster.kubectl("apply", "-n", namespace, "-f", str(repo_root / "examples" / "cpu-tiny.yaml"))
         cluster.kubectl("wait", "-n", namespace, "--for=condition=Ready", f"afd/{DEPLOYMENT}", "--timeout=60s")
         yield proc

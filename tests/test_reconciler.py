@@ -192,3 +192,42 @@ def test_api_error_names_the_verb_kind_and_the_apis_own_reason() -> None:
     assert str(refused) == 'create Pod x: 422 Invalid: Pod "x" is invalid: spec.containers[0].image: Required value'
     bare = ApiWriteError.from_api("delete", "Service", "y", ApiException(status=500, reason="Internal Server Error"))
     assert write_failure_reason(bare) == "DeleteServiceInternalServerError" and bare.code == 500
+
+
+def test_the_deployment_wide_budget_of_earlier_versions_gives_way_to_one_per_instance() -> None:
+    ns = Namespace({"a": spec(replicas=2)})
+    old_budget = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {
+        "name": "a", "namespace": NS, "labels": naming.base_labels("a", "pdb")},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": naming.selector_labels("a")}}}
+    ns.writer.create(old_budget)
+    ns.until(lambda: ns.status("a").get("readyReplicas") == 2, "2 instances Ready")
+    budgets = {name: body for (kind, _, name), body in ns.writer.objects.items() if kind == "PodDisruptionBudget"}
+    instances = {i["name"] for i in ns.status("a")["instances"]}
+    assert set(budgets) == instances
+    assert all(b["spec"]["minAvailable"] == 2 for b in budgets.values())  # 3 pods per instance
+    # Each instance's budget goes with its instance.
+    ns.specs["a"] = spec(replicas=1)
+    ns.until(lambda: len(ns.status("a").get("instances", [])) == 1 and len(ns.writer.pods(NS)) == 3, "scaled to 1")
+    ns.round()
+    budgets = {name for (kind, _, name) in ns.writer.objects if kind == "PodDisruptionBudget"}
+    assert budgets == {i["name"] for i in ns.status("a")["instances"]}
+
+
+def test_a_spec_that_breaks_the_validator_is_reported_and_still_torn_down(monkeypatch) -> None:
+    import afd_operator.validation as validation
+
+    ns = Namespace({"a": spec()})
+    ns.until(lambda: ns.status("a").get("readyReplicas") == 1, "Ready")
+
+    def broken(*_: Any, **__: Any) -> list:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(validation, "check_spec", broken)
+    ns.round()
+    condition = next(c for c in ns.status("a")["conditions"] if c["type"] == "ConfigValid")
+    assert (condition["status"], condition["message"]) == (
+        "False", "spec: could not be validated (RecursionError: maximum recursion depth exceeded)")
+    assert len(ns.writer.pods(NS)) == 3  # nothing is changed for a spec that cannot be judged
+    ns.deleting.add("a")
+    ns.until(lambda: "a" in ns.gone, "torn down")
+    assert ns.writer.pods(NS) == [] and not [k for k in ns.writer.objects if k[0] != "Event"]

@@ -13,7 +13,9 @@ import yaml
 from afd_operator import naming
 from afd_operator.api import AFDDeploymentSpec
 from afd_operator.planner import plan
+from afd_operator.policy import DEFAULT_METRICS_FROM, ClusterPolicy, NetworkIsolation
 from afd_operator.render import image_version_label, render
+from afd_operator.revision import revision_of
 from afd_operator.validation import validate_object
 from afd_shared_experts.config import parse_afd_config
 
@@ -38,9 +40,10 @@ def test_object_inventory_and_owner_references() -> None:
     objs = render_spec(spec_of(replicas=2, scheduling={"gang": {"provider": "volcano", "queue": "q"}},
                                metrics={"podMonitor": True}))
     kinds = Counter(o["kind"] for o in objs)
-    # 2 instances x (2 attention + 2 ffn) pods, a headless Service + PodGroup per instance.
+    # 2 instances x (2 attention + 2 ffn) pods, a headless Service, PDB and PodGroup per instance
+    # (host networking: no NetworkPolicy can select the pods).
     assert kinds == Counter({"Pod": 8, "Service": 3, "PodGroup": 2, "ConfigMap": 1,
-                             "PodDisruptionBudget": 1, "PodMonitor": 1})
+                             "PodDisruptionBudget": 2, "PodMonitor": 1})
     for o in objs:
         (ref,) = o["metadata"]["ownerReferences"]
         assert ref == {"apiVersion": "afd.inference.dev/v1alpha1", "kind": "AFDDeployment", "name": "ds",
@@ -194,12 +197,69 @@ def test_api_service_selects_only_serving_heads() -> None:
             assert svc["spec"]["publishNotReadyAddresses"] is True
 
 
-def test_pdb_never_blocks_drains_entirely() -> None:
-    pdb = of_kind(render_spec(spec_of()), "PodDisruptionBudget")[0]
-    assert pdb["spec"]["maxUnavailable"] == 1
-    pdb = of_kind(render_spec(spec_of(replicas=8, updateStrategy={"maxUnavailable": "25%"})),
-                  "PodDisruptionBudget")[0]
-    assert pdb["spec"]["maxUnavailable"] == 2
+def test_each_instance_has_a_budget_of_one_disrupted_pod() -> None:
+    objs = render_spec(spec_of(replicas=2, updateStrategy={"maxUnavailable": 1}))
+    pdbs = of_kind(objs, "PodDisruptionBudget")
+    instances = sorted({p["metadata"]["labels"][naming.LABEL_AFD_INSTANCE] for p in of_kind(objs, "Pod")})
+    assert [p["metadata"]["name"] for p in pdbs] == instances
+    for pdb in pdbs:
+        pods = [p for p in of_kind(objs, "Pod")
+                if p["metadata"]["labels"][naming.LABEL_AFD_INSTANCE] == pdb["metadata"]["name"]]
+        # An integer minAvailable: the disruption controller counts the pods its selector finds.
+        assert pdb["spec"] == {"minAvailable": len(pods) - 1,
+                               "selector": {"matchLabels": {naming.LABEL_AFD_INSTANCE: pdb["metadata"]["name"]}}}
+
+
+def network_policies(spec: AFDDeploymentSpec, policy: ClusterPolicy = ClusterPolicy()) -> list[dict[str, Any]]:
+    return of_kind(render(spec, plan(spec, "ds", "ns"), policy=policy), "NetworkPolicy")
+
+
+def test_a_network_policy_per_instance_admits_its_own_pods_api_clients_and_scrapers() -> None:
+    nps = network_policies(spec_of(platform="cpu"))
+    assert [n["metadata"]["name"] for n in nps] == ["ds-" + revision_of(spec_of(platform="cpu")) + f"-{i}"
+                                                     for i in range(2)]
+    own = {"matchLabels": {naming.LABEL_AFD_INSTANCE: nps[0]["metadata"]["name"]}}
+    assert nps[0]["spec"] == {
+        "podSelector": own, "policyTypes": ["Ingress"],
+        "ingress": [{"from": [{"podSelector": own}]},
+                    {"ports": [{"protocol": "TCP", "port": "api"}]},
+                    {"from": list(DEFAULT_METRICS_FROM), "ports": [{"protocol": "TCP", "port": "metrics"}]}]}
+
+
+def test_allowed_clients_restrict_the_api_port_and_scrapers_keep_their_way_in() -> None:
+    clients = [{"namespaceSelector": {"matchLabels": {"team": "search"}}}, {"ipBlock": {"cidr": "10.1.0.0/16"}}]
+    scrapers = ({"namespaceSelector": {"matchLabels": {"name": "monitoring"}}},)
+    (np, _) = network_policies(spec_of(platform="cpu", service={"allowedClients": clients}),
+                               ClusterPolicy(network=NetworkIsolation(metrics_from=scrapers)))
+    api_rule = np["spec"]["ingress"][1]
+    assert api_rule == {"ports": [{"protocol": "TCP", "port": "api"}], "from": clients + list(scrapers)}
+    assert np["spec"]["ingress"][2]["from"] == list(scrapers)
+
+
+def test_no_network_policy_where_it_cannot_apply_or_the_cluster_turns_them_off() -> None:
+    assert network_policies(spec_of()) == []  # platform ascend: host networking
+    assert network_policies(spec_of(platform="cpu"), ClusterPolicy(network=NetworkIsolation(enabled=False))) == []
+    no_metrics = network_policies(spec_of(platform="cpu", metrics={"enabled": False}))
+    assert all(len(np["spec"]["ingress"]) == 2 for np in no_metrics)
+
+
+def test_runtime_pods_are_restricted_and_cpu_pods_run_non_root_on_a_read_only_root() -> None:
+    for pod in of_kind(render_spec(spec_of(platform="cpu")), "Pod"):
+        s, (c,) = pod["spec"], pod["spec"]["containers"]
+        assert s["automountServiceAccountToken"] is False
+        assert s["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}, "runAsNonRoot": True}
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False, "privileged": False,
+                                        "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True}
+        # Where vLLM, torch and Python write: an emptyDir, also HOME and TMPDIR.
+        assert {"name": "scratch", "mountPath": "/tmp"} in c["volumeMounts"]
+        assert {"name": "scratch", "emptyDir": {}} in s["volumes"]
+        assert env_of(pod)["HOME"] == env_of(pod)["TMPDIR"] == "/tmp"
+    for pod in of_kind(render_spec(spec_of()), "Pod"):  # ascend: root with the device capability only
+        s, (c,) = pod["spec"], pod["spec"]["containers"]
+        assert s["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False, "privileged": False,
+                                        "capabilities": {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}}
+        assert "HOME" not in env_of(pod)
 
 
 @pytest.mark.parametrize("image,label", [

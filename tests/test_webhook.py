@@ -18,7 +18,8 @@ CONFIGURATION = "afd-test.validation.afd.inference.dev"  # webhook names must be
 
 
 @pytest.fixture(scope="module")
-def webhook_operator(cluster: ControlPlane, repo_root: Path, tmp_path_factory) -> Iterator[OperatorProcess]:
+def webhook_operator(cluster: ControlPlane, repo_root: Path, tmp_path_factory,
+                     examples_policy_file: Path) -> Iterator[OperatorProcess]:
     cluster.kubectl("apply", "-f", str(repo_root / "crds" / "afd.inference.dev_afddeployments.yaml"))
     cluster.kubectl("wait", "--for=condition=Established", "crd/afddeployments.afd.inference.dev", "--timeout=30s")
     workdir = tmp_path_factory.mktemp("webhook")
@@ -27,6 +28,7 @@ def webhook_operator(cluster: ControlPlane, repo_root: Path, tmp_path_factory) -
     proc = OperatorProcess(cluster.operator_kubeconfig, workdir / "operator.log", extra_args=(
         "--webhook-port", str(port), "--webhook-host", "127.0.0.1", "--webhook-listen", "127.0.0.1",
         "--webhook-cert", str(cert), "--webhook-key", str(key), "--webhook-configuration", CONFIGURATION,
+        "--policy", str(examples_policy_file),
     )).start()
     wait_for(lambda: cluster.kubectl("get", "validatingwebhookconfiguration", CONFIGURATION,
                                      check=False).returncode == 0, "webhook configuration registered", 30)
@@ -70,6 +72,22 @@ def test_valid_cr_admitted_and_updates_checked(cluster: ControlPlane, webhook_op
     assert bad.returncode != 0 and "spec.ffn.ranks" in bad.stderr
     scaled = cluster.kubectl("scale", "afd", doc["metadata"]["name"], "-n", namespace, "--replicas=2")
     assert scaled.returncode == 0
+
+
+def test_host_access_beyond_the_chart_values_is_rejected_naming_both(cluster: ControlPlane,
+                                                                     webhook_operator: OperatorProcess,
+                                                                     namespace: str, examples: list[Path]) -> None:
+    doc = yaml.safe_load(next(p for p in examples if p.name == "cpu-tiny.yaml").read_text())
+    doc["metadata"]["namespace"] = namespace
+    doc["spec"]["model"]["volume"]["hostPath"] = "/srv/modelsx"  # beside /srv/models, not under it
+    doc["spec"]["ffn"]["podTemplate"]["serviceAccountName"] = "builder"
+    result = cluster.kubectl("apply", "-f", "-", input_text=yaml.safe_dump(doc), check=False)
+    assert result.returncode != 0 and "denied the request" in result.stderr
+    for expected in ("spec.model.volume.hostPath: host path '/srv/modelsx' is not allowed in this cluster (chart value "
+                     "hostAccess.hostPathPrefixes: /srv/models, /data/models)",
+                     "spec.ffn.podTemplate.serviceAccountName: 'builder' is not allowed in this cluster (chart value "
+                     "hostAccess.serviceAccounts: none besides 'default')"):
+        assert expected in result.stderr, result.stderr
 
 
 def test_spec_the_plugin_would_refuse_is_rejected_with_its_message(cluster: ControlPlane,

@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import yaml
 
@@ -104,6 +104,8 @@ class ControlPlane:
     audit_log: Path = field(default_factory=Path)
     etcd: Optional[subprocess.Popen] = None
     apiserver: Optional[subprocess.Popen] = None
+    etcd_endpoint: str = ""
+    _apiserver_command: list[str] = field(init=False, repr=False, default_factory=list)
     _admin_token: str = field(init=False, repr=False, default_factory=lambda: secrets.token_hex(16))
     _operator_token: str = field(init=False, repr=False, default_factory=lambda: secrets.token_hex(16))
 
@@ -122,6 +124,7 @@ class ControlPlane:
             raise RuntimeError("etcd is not on PATH (Debian package etcd-server)")
         apiserver_binary = kube_apiserver_binary()
         etcd_port, etcd_peer, api_port = free_port(), free_port(), free_port()
+        self.etcd_endpoint = f"http://127.0.0.1:{etcd_port}"
         with open(self.workdir / "etcd.log", "wb") as etcd_log:
             self.etcd = subprocess.Popen(
                 [etcd_binary,
@@ -147,34 +150,51 @@ class ControlPlane:
         audit_policy = self.workdir / "audit-policy.yaml"
         audit_policy.write_text(yaml.safe_dump(_AUDIT_POLICY))
         self.audit_log = self.workdir / "audit.log"
-        with open(self.workdir / "kube-apiserver.log", "wb") as api_log:
-            self.apiserver = subprocess.Popen(
-                [apiserver_binary,
-                 f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-                 "--bind-address=127.0.0.1", f"--secure-port={api_port}", "--insecure-port=0",
-                 f"--cert-dir={certs}", f"--token-auth-file={tokens}",
-                 "--authorization-mode=RBAC",
-                 "--service-account-issuer=https://kubernetes.default.svc",
-                 f"--service-account-key-file={sa_pub}",
-                 f"--service-account-signing-key-file={sa_key}",
-                 "--service-cluster-ip-range=10.96.0.0/16",
-                 "--allow-privileged=true",
-                 # No controller-manager runs here to mint service-account tokens, which the
-                 # ServiceAccount admission plugin of 1.20 insists on for every pod.
-                 "--disable-admission-plugins=ServiceAccount",
-                 f"--audit-policy-file={audit_policy}",
-                 f"--audit-log-path={self.audit_log}",
-                 "--audit-log-format=json",
-                 "--profiling=false"],
-                stdout=api_log, stderr=subprocess.STDOUT, start_new_session=True,
-            )
+        self._apiserver_command = [
+            apiserver_binary,
+            f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+            "--bind-address=127.0.0.1", f"--secure-port={api_port}", "--insecure-port=0",
+            f"--cert-dir={certs}", f"--token-auth-file={tokens}",
+            "--authorization-mode=RBAC",
+            "--service-account-issuer=https://kubernetes.default.svc",
+            f"--service-account-key-file={sa_pub}",
+            f"--service-account-signing-key-file={sa_key}",
+            "--service-cluster-ip-range=10.96.0.0/16",
+            "--allow-privileged=true",
+            # No controller-manager runs here to mint service-account tokens, which the
+            # ServiceAccount admission plugin of 1.20 insists on for every pod.
+            "--disable-admission-plugins=ServiceAccount",
+            f"--audit-policy-file={audit_policy}",
+            f"--audit-log-path={self.audit_log}",
+            "--audit-log-format=json",
+            "--profiling=false",
+        ]
         self.server = f"https://127.0.0.1:{api_port}"
-        self._wait_ready()
+        self._start_apiserver()
         self.kubeconfig = self.workdir / "kubeconfig"
         self.kubeconfig.write_text(yaml.safe_dump(_kubeconfig(self.server, ADMIN_USER, self._admin_token)))
         self.operator_kubeconfig = self.workdir / "operator-kubeconfig"
         self.operator_kubeconfig.write_text(
             yaml.safe_dump(_kubeconfig(self.server, OPERATOR_USER, self._operator_token)))
+
+    def _start_apiserver(self) -> None:
+        with open(self.workdir / "kube-apiserver.log", "ab") as api_log:
+            self.apiserver = subprocess.Popen(self._apiserver_command, stdout=api_log, stderr=subprocess.STDOUT,
+                                              start_new_session=True)
+        self._wait_ready()
+
+    def restart_apiserver(self, while_down: Optional[Callable[[], None]] = None) -> None:
+        """Stop kube-apiserver and start it again on the same port, etcd and keys (what its
+        clients see of an upgrade or a crash); `while_down()` runs in between."""
+        _stop(self.apiserver)
+        if while_down is not None:
+            while_down()
+        self._start_apiserver()
+
+    def etcdctl(self, *args: str) -> subprocess.CompletedProcess:
+        """etcd's own client (v3 API) against this control plane's etcd."""
+        return subprocess.run(["etcdctl", f"--endpoints={self.etcd_endpoint}", *args], capture_output=True,
+                              text=True, check=True, timeout=60, env={**os.environ, "ETCDCTL_API": "3"})
 
     def _wait_ready(self) -> None:
         ctx = ssl.create_default_context()

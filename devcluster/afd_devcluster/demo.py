@@ -57,6 +57,15 @@ def converged(cp: ControlPlane, namespace: str, name: str, replicas: int, topolo
         topology is None or s.get("topology") == topology)
 
 
+def host_access_for(doc: dict) -> dict:
+    """The chart values a cluster admin would set for this example: its model's host path, and
+    host networking on Ascend (docs/install.md, "Host access")."""
+    spec = doc["spec"]
+    host_path = ((spec.get("model") or {}).get("volume") or {}).get("hostPath")
+    return {"hostAccess": {"hostPathPrefixes": [host_path] if host_path else [],
+                           "hostNetwork": spec.get("platform", "ascend") == "ascend"}}
+
+
 def run(example: Path, workdir: Path) -> None:
     # The dev control plane's kubeconfig skips TLS verification (a throwaway self-signed server).
     urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
@@ -73,9 +82,12 @@ def run(example: Path, workdir: Path) -> None:
             cp.kubectl("create", "namespace", namespace)
         api = kube_config.new_client_from_config(config_file=str(cp.kubeconfig))
         say("starting the node stand-in (plays kubelet: binds pods, reports them Running/Ready)")
+        policy = workdir / "policy.yaml"
+        policy.write_text(yaml.safe_dump(host_access_for(doc)))
         with FakeKubelet(api, [f"demo-node-{i}" for i in range(4)],
                          label_selector=f"{LABEL_MANAGED_BY}={MANAGER}", deletion_delay_seconds=0.5), \
-                OperatorProcess(cp.operator_kubeconfig, workdir / "operator.log", resync_seconds=1.0) as op:
+                OperatorProcess(cp.operator_kubeconfig, workdir / "operator.log", resync_seconds=1.0,
+                                extra_args=("--policy", str(policy))) as op:
             say(f"afd-operator running (metrics {op.metrics_url}, log {workdir / 'operator.log'})")
             show(cp, "apply", "-f", str(example))
             wait("the first instance to be Ready", lambda: converged(cp, namespace, name, 1))

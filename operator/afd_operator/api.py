@@ -2,21 +2,25 @@
 
 These models are the single source of truth: the CRD in `crds/` is generated from them,
 the planner reads them, and admission/`afdctl validate` parse user input through them.
-Field names are camelCase on the wire; unknown fields are rejected everywhere except the
-few places that are free-form by design (pod template pieces, connector extraConfig).
+Field names are camelCase on the wire (the only spelling accepted, as the API server reads
+them); unknown fields are rejected everywhere: even the core/v1 pieces passed through to the
+pods are typed (kube_types.py), so nothing reaches a pod unchecked.
 """
 
 from __future__ import annotations
 
 import re
 from enum import Enum
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional
 
-from kubernetes.utils.quantity import parse_quantity
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
 from afd_shared_experts.config import MAX_STAGES
+
+from . import kube_rules
+from .kube_types import (MAX_LIST_ITEMS, MAX_MAP_ENTRIES, MAX_STRING, AbsolutePath, Affinity, DNSLabel,
+                         DNSSubdomain, EnvVarSource, Labels, LabelValue, NetworkPolicyPeer, QualifiedName, Quantity,
+                         Strict, Toleration, TopologySpreadConstraint, Volume, VolumeMount, follows)
 
 GROUP = "afd.inference.dev"
 VERSION = "v1alpha1"
@@ -30,51 +34,58 @@ SHORT_NAMES = ["afd"]
 DEFAULT_CONNECTOR = "p2p"
 DEFAULT_RESOURCE_NAME = "huawei.com/Ascend910"
 DEFAULT_DRIVER_HOST_PATHS = ["/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi"]
+HCCN_CONF = "/etc/hccn.conf"  # the NIC configuration HCCL reads (ascend.mountHccnConf)
 
-# Free-form JSON objects (pod template pieces, extraConfig). Marked so the CRD generator
-# emits `x-kubernetes-preserve-unknown-fields` for exactly these and nothing else.
-FREE_FORM = {"x-kubernetes-preserve-unknown-fields": True}
+# The documented maxima (docs/api.md): enforced by the CRD schema and the validator, so the work
+# one AFDDeployment asks of the operator stays bounded.
+MAX_REPLICAS = 512
+MAX_ROLE_RANKS = 1024  # Attention DP x TP, and FFN ranks, per instance
+MAX_TENSOR_PARALLEL = 64
+MAX_DEVICES_PER_POD = 64
+MAX_SECONDS = 7 * 24 * 3600
+MAX_RESTARTS = 1000
+MAX_TOKENS = 1 << 24
+MAX_ENGINE_ARGS = 128
+MAX_ENV = 128
+MAX_ENV_VALUE = 32768
+MAX_EXTRA_CONFIG_KEYS = 16
+
 INT_OR_STRING = {"x-kubernetes-int-or-string": True}
-
-_PERCENT = re.compile(r"^(0|[1-9][0-9]*)%$")
-# <prefix>/<name> as Kubernetes accepts for extended resource names.
-_RESOURCE_NAME = re.compile(
-    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)/([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)$"
-)
-_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
-
-
-class Strict(BaseModel):
-    """Base for every API object: camelCase aliases, unknown fields rejected."""
-
-    model_config = ConfigDict(
-        extra="forbid",
-        alias_generator=to_camel,
-        populate_by_name=True,
-        validate_default=True,
-    )
 
 
 def _port(default: int, description: str) -> Any:
     return Field(default, ge=1, le=65535, description=description)
 
 
+def _seconds(default: int, minimum: int, description: str = "") -> Any:
+    return Field(default, ge=minimum, le=MAX_SECONDS, description=description or None)
+
+
+def _no_edge_spaces(value: str) -> str:
+    if value != value.strip():
+        raise ValueError("must not have leading or trailing whitespace")
+    return value
+
+
+def _int_or_string(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError("must be an integer or a string")
+    if isinstance(value, str) and len(value) > MAX_STRING:
+        raise ValueError(f"must be at most {MAX_STRING} characters")
+    return value
+
+
+IntOrString = Annotated[Any, BeforeValidator(_int_or_string), WithJsonSchema(INT_OR_STRING)]
+
+
 class EnvVar(Strict):
     """A container environment variable, as in core/v1 EnvVar."""
 
-    name: str = Field(min_length=1, description="Variable name.")
-    value: Optional[str] = Field(None, description="Literal value.")
-    value_from: Optional[dict[str, Any]] = Field(
-        None, description="core/v1 EnvVarSource (fieldRef, configMapKeyRef, secretKeyRef, ...).",
-        json_schema_extra=FREE_FORM,
-    )
-
-    @field_validator("name")
-    @classmethod
-    def _valid_name(cls, v: str) -> str:
-        if not _ENV_NAME.match(v):
-            raise ValueError("must consist of letters, digits, '_', '-' or '.', and not start with a digit")
-        return v
+    name: Annotated[str, Field(min_length=1, max_length=kube_rules.DNS_SUBDOMAIN_MAX),
+                    follows(kube_rules.env_name)] = Field(description="Variable name.")
+    value: Optional[Annotated[str, Field(max_length=MAX_ENV_VALUE)]] = Field(None, description="Literal value.")
+    value_from: Optional[EnvVarSource] = Field(
+        None, description="core/v1 EnvVarSource: fieldRef, resourceFieldRef, configMapKeyRef or secretKeyRef.")
 
     @model_validator(mode="after")
     def _one_source(self) -> "EnvVar":
@@ -83,42 +94,74 @@ class EnvVar(Strict):
         return self
 
 
+RESOURCE_NAMES = ("cpu", "memory", "ephemeral-storage")
+
+
+def _resource_name(value: str) -> Optional[str]:
+    if value in RESOURCE_NAMES:
+        return None
+    problem = kube_rules.extended_resource_name(value)
+    return problem and f"must be {', '.join(RESOURCE_NAMES)} or an extended resource name like 'vendor.example/device'"
+
+
+ResourceList = Annotated[dict[Annotated[str, follows(_resource_name)], Quantity], Field(max_length=16)]
+
+
+class ResourceRequirements(Strict):
+    """core/v1 ResourceRequirements of the main container (device resources are the operator's)."""
+
+    requests: ResourceList = Field(default_factory=dict, description="Requested quantities.")
+    limits: ResourceList = Field(default_factory=dict, description="Limits.")
+
+
+def _annotations_size(value: dict[str, str]) -> dict[str, str]:
+    size = sum(len(k) + len(v) for k, v in value.items())
+    if size > kube_rules.ANNOTATIONS_TOTAL_MAX:
+        raise ValueError(f"keys and values may total at most {kube_rules.ANNOTATIONS_TOTAL_MAX} bytes (got {size})")
+    return value
+
+
+def _operator_labels_reserved(value: dict[str, str]) -> dict[str, str]:
+    for key in value:
+        if key.startswith(f"{GROUP}/"):
+            # e.g. the serving label, which routes the API Service to a head.
+            raise ValueError(f"'{key}': labels under {GROUP}/ are set by the operator")
+    return value
+
+
 class PodTemplateOverrides(Strict):
     """Pieces merged into every generated pod of a role."""
 
-    labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
-    annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Merged into pod nodeSelector.")
-    tolerations: list[dict[str, Any]] = Field(
-        default_factory=list, description="core/v1 Tolerations.", json_schema_extra={"items": FREE_FORM}
-    )
-    affinity: Optional[dict[str, Any]] = Field(None, description="core/v1 Affinity.", json_schema_extra=FREE_FORM)
-    topology_spread_constraints: list[dict[str, Any]] = Field(
-        default_factory=list, description="core/v1 TopologySpreadConstraints.",
-        json_schema_extra={"items": FREE_FORM},
-    )
-    volumes: list[dict[str, Any]] = Field(
-        default_factory=list, description="Extra core/v1 Volumes.", json_schema_extra={"items": FREE_FORM}
-    )
-    volume_mounts: list[dict[str, Any]] = Field(
-        default_factory=list, description="Extra core/v1 VolumeMounts for the main container.",
-        json_schema_extra={"items": FREE_FORM},
-    )
-    resources: Optional[dict[str, Any]] = Field(
-        None,
+    labels: Annotated[Labels, AfterValidator(_operator_labels_reserved)] = Field(
+        default_factory=dict, description="Extra pod labels (not under afd.inference.dev/).")
+    annotations: Annotated[dict[QualifiedName, Annotated[str, Field(max_length=kube_rules.ANNOTATIONS_TOTAL_MAX)]],
+                           Field(max_length=MAX_MAP_ENTRIES), AfterValidator(_annotations_size)] = Field(
+        default_factory=dict, description="Extra pod annotations.")
+    node_selector: Labels = Field(default_factory=dict, description="Merged into pod nodeSelector.")
+    tolerations: Annotated[list[Toleration], Field(max_length=MAX_LIST_ITEMS)] = Field(
+        default_factory=list, description="core/v1 Tolerations.")
+    affinity: Optional[Affinity] = Field(None, description="core/v1 Affinity.")
+    topology_spread_constraints: Annotated[list[TopologySpreadConstraint], Field(max_length=MAX_LIST_ITEMS)] = Field(
+        default_factory=list, description="core/v1 TopologySpreadConstraints.")
+    volumes: Annotated[list[Volume], Field(max_length=MAX_LIST_ITEMS)] = Field(
+        default_factory=list, description="Extra core/v1 Volumes (emptyDir, hostPath, persistentVolumeClaim, "
+                                          "configMap, secret); hostPath only under the prefixes the cluster allows.")
+    volume_mounts: Annotated[list[VolumeMount], Field(max_length=MAX_LIST_ITEMS)] = Field(
+        default_factory=list, description="Extra core/v1 VolumeMounts for the main container.")
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements,
         description="Extra requests/limits (cpu, memory, ...) merged into the main container; "
-        "device resources are set by the operator.",
-        json_schema_extra=FREE_FORM,
-    )
-    service_account_name: Optional[str] = Field(None, description="Pod service account.")
+        "device resources are set by the operator.")
+    service_account_name: Optional[DNSSubdomain] = Field(
+        None, description="Pod service account: only one the cluster allows (its token is never mounted).")
 
 
 class ModelVolume(Strict):
     """Where the model files come from: a PVC or a host path, mounted read-only."""
 
-    claim_name: Optional[str] = Field(None, description="PersistentVolumeClaim name.")
-    host_path: Optional[str] = Field(None, description="Host directory.")
-    mount_path: str = Field("/models", description="Mount point inside the pods.")
+    claim_name: Optional[DNSSubdomain] = Field(None, description="PersistentVolumeClaim name.")
+    host_path: Optional[AbsolutePath] = Field(None, description="Host directory (under a prefix the cluster allows).")
+    mount_path: AbsolutePath = Field("/models", description="Mount point inside the pods.")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "ModelVolume":
@@ -128,18 +171,19 @@ class ModelVolume(Strict):
 
 
 class ModelSpec(Strict):
-    name: str = Field(min_length=1, description="Served model name (OpenAI `model`).")
-    path: str = Field(min_length=1, description="Model directory inside the pods.")
+    name: Annotated[str, Field(min_length=1, max_length=kube_rules.DNS_SUBDOMAIN_MAX)] = Field(
+        description="Served model name (OpenAI `model`).")
+    path: Annotated[AbsolutePath, Field(min_length=1)] = Field(description="Model directory inside the pods.")
     volume: Optional[ModelVolume] = Field(None, description="Volume that holds the model.")
     routed_experts: Optional[int] = Field(
-        None, ge=1, description="Routed experts per MoE layer; enables the divisibility check with ffn.ranks."
-    )
-    max_model_len: Optional[int] = Field(None, ge=1, description="--max-model-len.")
+        None, ge=1, le=65536,
+        description="Routed experts per MoE layer; enables the divisibility check with ffn.ranks.")
+    max_model_len: Optional[int] = Field(None, ge=1, le=MAX_TOKENS, description="--max-model-len.")
     max_num_batched_tokens: int = Field(
-        8192, ge=1, description="--max-num-batched-tokens, the same on both roles by construction."
-    )
+        8192, ge=1, le=MAX_TOKENS, description="--max-num-batched-tokens, the same on both roles by construction.")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="--dtype.")
-    quantization: Optional[str] = Field(None, min_length=1, description="--quantization.")
+    quantization: Optional[Annotated[str, Field(min_length=1, max_length=64)]] = Field(None,
+                                                                                      description="--quantization.")
 
 
 class SharedExpertsSpec(Strict):
@@ -152,13 +196,13 @@ class SharedExpertsSpec(Strict):
 
 
 class ConnectorSpec(Strict):
-    name: str = Field(DEFAULT_CONNECTOR, min_length=1, description="AFD connector name.")
+    name: Annotated[str, Field(min_length=1, max_length=64)] = Field(DEFAULT_CONNECTOR, description="AFD connector name.")
     port: int = _port(1239, "Rendezvous port on the Attention head.")
-    extra_config: dict[str, Any] = Field(
+    extra_config: Annotated[dict[Annotated[str, Field(min_length=1, max_length=kube_rules.DNS_SUBDOMAIN_MAX)],
+                                 IntOrString], Field(max_length=MAX_EXTRA_CONFIG_KEYS)] = Field(
         default_factory=dict, description="Laid over the operator's connector_extra_config "
-        "(attn_ranks_per_dp = attention.tensorParallel); the plugin's parser refuses keys it does not know.",
-        json_schema_extra=FREE_FORM
-    )
+        "(attn_ranks_per_dp = attention.tensorParallel); integers or strings; the plugin's parser refuses keys it "
+        "does not know.")
 
 
 # Two stages are the ping-pong pipeline of async AFD (MegaScale-Infer, afd-plugin): the FFN computes one half
@@ -174,143 +218,132 @@ class AsyncSpec(Strict):
         f"{DEFAULT_STAGES} where allowed (platform cpu, no engine argument that refuses stages), else 1.")
 
 
+EngineArgs = Annotated[list[Annotated[str, Field(max_length=MAX_STRING)]], Field(max_length=MAX_ENGINE_ARGS)]
+EnvList = Annotated[list[EnvVar], Field(max_length=MAX_ENV)]
+
+
 class AttentionSpec(Strict):
-    data_parallel: int = Field(1, ge=1, description="Attention data-parallel size per instance.")
-    tensor_parallel: int = Field(1, ge=1, description="Attention tensor-parallel size.")
-    devices_per_pod: int = Field(1, ge=1, description="Devices (ranks) per Attention pod.")
+    data_parallel: int = Field(1, ge=1, le=MAX_ROLE_RANKS, description="Attention data-parallel size per instance.")
+    tensor_parallel: int = Field(1, ge=1, le=MAX_TENSOR_PARALLEL, description="Attention tensor-parallel size.")
+    devices_per_pod: int = Field(1, ge=1, le=MAX_DEVICES_PER_POD, description="Devices (ranks) per Attention pod.")
     data_parallel_rpc_port: int = _port(13345, "--data-parallel-rpc-port on the Attention head.")
-    engine_args: list[str] = Field(default_factory=list, description="Extra vLLM engine arguments.")
-    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.")
+    engine_args: EngineArgs = Field(default_factory=list, description="Extra vLLM engine arguments.")
+    env: EnvList = Field(default_factory=list, description="Extra environment variables.")
     pod_template: PodTemplateOverrides = Field(default_factory=PodTemplateOverrides)
 
 
 class FFNSpec(Strict):
-    ranks: int = Field(1, ge=1, description="FFN ranks (expert-parallel size) per instance.")
-    devices_per_pod: int = Field(1, ge=1, description="Devices (ranks) per FFN pod.")
+    ranks: int = Field(1, ge=1, le=MAX_ROLE_RANKS, description="FFN ranks (expert-parallel size) per instance.")
+    devices_per_pod: int = Field(1, ge=1, le=MAX_DEVICES_PER_POD, description="Devices (ranks) per FFN pod.")
     health_port: int = _port(9401, "FFN server /health and /ready port.")
-    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.")
+    env: EnvList = Field(default_factory=list, description="Extra environment variables.")
     pod_template: PodTemplateOverrides = Field(default_factory=PodTemplateOverrides)
 
 
 class HcclBufferSizes(Strict):
-    attention: Optional[int] = Field(None, ge=1, description="HCCL_BUFFSIZE (MB) on Attention pods.")
-    ffn: Optional[int] = Field(None, ge=1, description="HCCL_BUFFSIZE (MB) on FFN pods.")
+    attention: Optional[int] = Field(None, ge=1, le=65536, description="HCCL_BUFFSIZE (MB) on Attention pods.")
+    ffn: Optional[int] = Field(None, ge=1, le=65536, description="HCCL_BUFFSIZE (MB) on FFN pods.")
+
+
+def _positive_quantity(value: Any) -> Any:
+    problem = kube_rules.quantity(value, positive=True)
+    if problem:
+        raise ValueError(problem)
+    return value
 
 
 class AscendSpec(Strict):
-    resource_name: str = Field(DEFAULT_RESOURCE_NAME, description="Extended resource of the NPU device plugin.")
-    host_network: bool = Field(True, description="Use host networking (needed for same-node HCCS).")
+    resource_name: Annotated[str, follows(kube_rules.extended_resource_name)] = Field(
+        DEFAULT_RESOURCE_NAME, description="Extended resource of the NPU device plugin.")
+    host_network: bool = Field(True, description="Use host networking (needed for same-node HCCS); the cluster "
+                                                 "must allow it (chart value hostAccess.hostNetwork).")
     host_port_stride: int = Field(
         16, ge=1, le=1024,
         description="With hostNetwork, instance i uses ports base + i*stride so instances sharing a "
         "node never collide. Pods of one instance and role use the same ports (declared as host "
         "ports, so the scheduler puts them on different nodes).",
     )
-    shm_size: str = Field("16Gi", description="Size of the memory-backed /dev/shm.")
-    socket_interface: Optional[str] = Field(
-        None, min_length=1, description="NIC name for HCCL/GLOO/TP_SOCKET_IFNAME."
-    )
+    shm_size: Annotated[Any, BeforeValidator(_positive_quantity), WithJsonSchema(INT_OR_STRING)] = Field(
+        "16Gi", description="Size of the memory-backed /dev/shm.")
+    socket_interface: Optional[Annotated[str, Field(min_length=1, max_length=256, pattern=r"^\S+$")]] = Field(
+        None, description="NIC name for HCCL/GLOO/TP_SOCKET_IFNAME.")
     hccl_buffer_size_mb: HcclBufferSizes = Field(default_factory=HcclBufferSizes, alias="hcclBufferSizeMB")
-    driver_host_paths: list[str] = Field(
-        default_factory=lambda: list(DEFAULT_DRIVER_HOST_PATHS), description="Host paths mounted read-only."
-    )
+    driver_host_paths: Annotated[list[AbsolutePath], Field(max_length=16)] = Field(
+        default_factory=lambda: list(DEFAULT_DRIVER_HOST_PATHS),
+        description="Host paths mounted read-only (each under a path the cluster allows on ascend).")
     mount_hccn_conf: bool = Field(True, description="Mount /etc/hccn.conf from the host.")
-
-    @field_validator("resource_name")
-    @classmethod
-    def _valid_resource(cls, v: str) -> str:
-        if not _RESOURCE_NAME.match(v) or len(v) > 253:
-            raise ValueError("must be an extended resource name like 'vendor.example/device'")
-        return v
-
-    @field_validator("shm_size")
-    @classmethod
-    def _valid_quantity(cls, v: str) -> str:
-        try:
-            if parse_quantity(v) > 0:
-                return v
-        except ValueError:
-            pass
-        raise ValueError("must be a positive Kubernetes quantity such as '16Gi'")
-
-    @field_validator("driver_host_paths")
-    @classmethod
-    def _absolute(cls, v: list[str]) -> list[str]:
-        for p in v:
-            if not p.startswith("/"):
-                raise ValueError(f"'{p}' must be an absolute path")
-        return v
 
 
 class GangSpec(Strict):
     provider: Literal["none", "volcano"] = Field("none", description="Gang scheduler.")
-    queue: Optional[str] = Field(None, min_length=1, description="Volcano queue.")
+    queue: Optional[Annotated[str, Field(min_length=1, max_length=kube_rules.DNS_SUBDOMAIN_MAX)]] = Field(
+        None, description="Volcano queue.")
 
 
 class SchedulingSpec(Strict):
     gang: GangSpec = Field(default_factory=GangSpec)
-    priority_class_name: Optional[str] = Field(None, min_length=1)
+    priority_class_name: Optional[DNSSubdomain] = Field(None)
 
 
 class StartupSpec(Strict):
     order: Literal["FFNFirst", "Parallel"] = Field(
         "FFNFirst", description="FFNFirst starts Attention pods once FFN pods run."
     )
-    timeout_seconds: int = Field(1800, ge=1, description=(
+    timeout_seconds: int = _seconds(1800, 1, (
         "An instance not Ready by then is Failed. Also how long its Attention ranks wait at the "
         "rendezvous for FFN servers still loading their experts, and vLLM for its engines."))
 
 
 class RecoverySpec(Strict):
     policy: Literal["RecreateInstance", "None"] = Field("RecreateInstance")
-    backoff_seconds: int = Field(10, ge=0)
-    max_backoff_seconds: int = Field(600, ge=0)
-    max_restarts: int = Field(5, ge=0, description="Consecutive failures before an instance stays down.")
-    unready_grace_seconds: int = Field(
-        60, ge=0, description="A pod of a Ready instance that stays not Ready this long fails the instance."
-    )
-    stable_seconds: int = Field(
-        600, ge=0,
-        description="An instance Ready this long after a restart has recovered: its consecutive failures reset.",
-    )
+    backoff_seconds: int = _seconds(10, 0)
+    max_backoff_seconds: int = _seconds(600, 0)
+    max_restarts: int = Field(5, ge=0, le=MAX_RESTARTS, description="Consecutive failures before an instance stays down.")
+    unready_grace_seconds: int = _seconds(
+        60, 0, "A pod of a Ready instance that stays not Ready this long fails the instance.")
+    stable_seconds: int = _seconds(
+        600, 0, "An instance Ready this long after a restart has recovered: its consecutive failures reset.")
 
 
-IntOrPercent = Union[int, str]
+_PERCENT = re.compile(r"(0|[1-9][0-9]*)%")
 
 
-def _int_or_percent(v: IntOrPercent) -> IntOrPercent:
-    if isinstance(v, bool):
-        raise ValueError("must be an integer or a percentage like '25%'")
-    if isinstance(v, int):
-        if v < 0:
-            raise ValueError("must be >= 0")
-        return v
-    if not _PERCENT.match(v):
-        raise ValueError("must be an integer or a percentage like '25%'")
-    return v
+def _int_or_percent(value: Any) -> Any:
+    """Instances (0..MAX_REPLICAS) or a percentage of replicas (0%..100%)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not 0 <= value <= MAX_REPLICAS:
+            raise ValueError(f"must be in [0, {MAX_REPLICAS}]")
+        return value
+    if isinstance(value, str) and _PERCENT.fullmatch(value):
+        if int(value[:-1]) > 100:
+            raise ValueError("must be at most 100%")
+        return value
+    raise ValueError("must be an integer or a percentage like '25%'")
+
+
+IntOrPercent = Annotated[Any, BeforeValidator(_int_or_percent), WithJsonSchema(INT_OR_STRING)]
 
 
 class UpdateStrategySpec(Strict):
     type: Literal["RollingUpdate", "Recreate"] = Field("RollingUpdate")
-    max_surge: IntOrPercent = Field(1, json_schema_extra=INT_OR_STRING, description="Instances or percent.")
-    max_unavailable: IntOrPercent = Field(0, json_schema_extra=INT_OR_STRING, description="Instances or percent.")
-    partition: int = Field(0, ge=0, description="Old-revision instances kept.")
+    max_surge: IntOrPercent = Field(1, description=f"Instances (at most {MAX_REPLICAS}) or percent (at most 100%).")
+    max_unavailable: IntOrPercent = Field(
+        0, description=f"Instances (at most {MAX_REPLICAS}) or percent (at most 100%).")
+    partition: int = Field(0, ge=0, le=MAX_REPLICAS, description="Old-revision instances kept.")
     paused: bool = Field(False, description="Freeze the rollout.")
-
-    @field_validator("max_surge", "max_unavailable", mode="before")
-    @classmethod
-    def _check(cls, v: Any) -> Any:
-        return _int_or_percent(v) if isinstance(v, (int, str)) else v
 
 
 class TerminationSpec(Strict):
-    grace_period_seconds: int = Field(120, ge=0)
-    drain_seconds: int = Field(30, ge=0, description="Wait after leaving the Service before deleting pods.")
+    grace_period_seconds: int = _seconds(120, 0)
+    drain_seconds: int = _seconds(30, 0, "Wait after leaving the Service before deleting pods.")
 
 
 class ServiceSpec(Strict):
     port: int = _port(8000, "OpenAI API port.")
     type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field("ClusterIP")
+    allowed_clients: Annotated[list[NetworkPolicyPeer], Field(max_length=MAX_LIST_ITEMS)] = Field(
+        default_factory=list, description="Who may reach the API port through the instances' NetworkPolicies "
+        "(networking.k8s.io/v1 peers); empty: any client.")
 
 
 class MetricsSpec(Strict):
@@ -320,12 +353,14 @@ class MetricsSpec(Strict):
 
 
 class AFDDeploymentSpec(Strict):
-    replicas: int = Field(1, ge=0, description="AFD instances; one instance is one connector world.")
-    image: str = Field(min_length=1, description="Runtime image (vLLM-Ascend + plugin).")
+    replicas: int = Field(1, ge=0, le=MAX_REPLICAS, description="AFD instances; one instance is one connector world.")
+    image: Annotated[str, Field(min_length=1, max_length=1024), AfterValidator(_no_edge_spaces)] = Field(
+        description="Runtime image (vLLM-Ascend + plugin).")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent")
-    image_pull_secrets: list[str] = Field(default_factory=list, description="Secret names.")
+    image_pull_secrets: Annotated[list[DNSSubdomain], Field(max_length=16)] = Field(
+        default_factory=list, description="Secret names.")
     platform: Literal["ascend", "cpu"] = Field("ascend")
-    cluster_domain: str = Field("cluster.local", min_length=1, description="Cluster DNS domain.")
+    cluster_domain: DNSSubdomain = Field("cluster.local", description="Cluster DNS domain.")
     model: ModelSpec
     shared_experts: SharedExpertsSpec = Field(default_factory=SharedExpertsSpec)
     connector: ConnectorSpec = Field(default_factory=ConnectorSpec)
@@ -346,7 +381,13 @@ class AFDDeploymentSpec(Strict):
 # ---- status -------------------------------------------------------------------------------
 
 
-class Condition(Strict):
+class StatusModel(Strict):
+    """Status is written by the operator, not by users: read leniently (its phases are strings)."""
+
+    model_config = ConfigDict(**{**Strict.model_config, "strict": False})
+
+
+class Condition(StatusModel):
     type: str
     status: Literal["True", "False", "Unknown"]
     reason: str = ""
@@ -368,7 +409,7 @@ class Phase(str, Enum):
         return self.value
 
 
-class InstanceStatus(Strict):
+class InstanceStatus(StatusModel):
     name: str = Field(description="Instance name (also its headless Service).")
     index: int
     revision: str
@@ -383,7 +424,7 @@ class InstanceStatus(Strict):
         None, description="When this world first had every pod Ready (RFC 3339); unset until then.")
 
 
-class AFDDeploymentStatus(Strict):
+class AFDDeploymentStatus(StatusModel):
     observed_generation: Optional[int] = None
     replicas: int = 0
     ready_replicas: int = 0
@@ -397,11 +438,14 @@ class AFDDeploymentStatus(Strict):
 
 
 class ObjectMeta(BaseModel):
-    """The part of metadata the planner needs; the rest passes through untouched."""
+    """The part of metadata the planner needs, and the labels and annotations the API server
+    would refuse; the rest passes through untouched."""
 
-    model_config = ConfigDict(extra="allow")
-    name: str = Field(min_length=1)
-    namespace: str = "default"
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: Annotated[str, Field(min_length=1, max_length=kube_rules.DNS_SUBDOMAIN_MAX)]
+    namespace: DNSLabel = "default"
+    labels: dict[QualifiedName, LabelValue] = Field(default_factory=dict)
+    annotations: Annotated[dict[QualifiedName, str], AfterValidator(_annotations_size)] = Field(default_factory=dict)
 
 
 class AFDDeployment(Strict):

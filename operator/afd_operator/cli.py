@@ -1,7 +1,8 @@
 """`afdctl`: validate, plan and render AFDDeployment files offline; print the CRD.
 
-Exit codes: 0 success; 1 invalid input (every problem is listed on stderr); 2 usage error
-or unreadable file.
+Exit codes: 0 success; 1 invalid input (every problem is listed on stderr, one line each,
+whatever the file holds); 2 usage error or unreadable file. The cluster's host-access policy
+is checked only when `--policy` gives the chart values it runs with.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import yaml
 
 from .api import AFDDeployment
 from .crd import crd_yaml
+from .documents import MAX_FILE_BYTES, read_documents
 from .planner import Plan, plan
+from .policy import UNCHECKED_HOST_ACCESS, ClusterPolicy, PolicyError, load_policy
 from .render import render
 from .validation import Problem, validate_object
 
@@ -33,26 +36,42 @@ class UsageError(Exception):
     pass
 
 
-def load_documents(paths: Iterable[str]) -> list[Loaded]:
-    """Parse every YAML document of every file (skipping empty documents)."""
+def _read(path: str) -> bytes:
+    try:
+        if path == "-":
+            return sys.stdin.buffer.read(MAX_FILE_BYTES + 1)
+        with open(path, "rb") as stream:
+            return stream.read(MAX_FILE_BYTES + 1)
+    except OSError as err:
+        raise UsageError(f"cannot read {path}: {err.strerror}") from err
+
+
+def load_documents(paths: Iterable[str], policy: ClusterPolicy = UNCHECKED_HOST_ACCESS) -> list[Loaded]:
+    """Parse and validate every YAML document of every file (skipping empty documents)."""
     loaded = []
     for path in paths:
-        try:
-            text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
-        except OSError as err:
-            raise UsageError(f"cannot read {path}: {err.strerror}") from err
-        try:
-            docs = [d for d in yaml.safe_load_all(text) if d is not None]
-        except yaml.YAMLError as err:
-            loaded.append(Loaded(path, None, [Problem("<yaml>", str(err).replace("\n", " "))]))
+        docs, problems = read_documents(_read(path))
+        if problems:
+            loaded.append(Loaded(path, None, problems))
             continue
         if not docs:
             loaded.append(Loaded(path, None, [Problem("<document>", "no AFDDeployment found")]))
         for i, doc in enumerate(docs):
             source = path if len(docs) == 1 else f"{path}#{i + 1}"
-            obj, problems = validate_object(doc)
+            obj, problems = validate_object(doc, policy)
             loaded.append(Loaded(source, obj, problems))
     return loaded
+
+
+def _policy(args: argparse.Namespace) -> ClusterPolicy:
+    if args.policy is None:
+        return UNCHECKED_HOST_ACCESS
+    try:
+        return load_policy(args.policy)
+    except OSError as err:
+        raise UsageError(f"cannot read {args.policy}: {err.strerror}") from err
+    except PolicyError as err:
+        raise UsageError(f"--policy {args.policy}: {err}") from err
 
 
 def _report(loaded: list[Loaded], err: TextIO) -> bool:
@@ -103,7 +122,7 @@ def render_stream(objs: list[dict[str, Any]]) -> str:
 
 
 def _cmd_validate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    loaded = load_documents(args.filename)
+    loaded = load_documents(args.filename, _policy(args))
     if not _report(loaded, err):
         return EXIT_INVALID
     for item in loaded:
@@ -112,7 +131,7 @@ def _cmd_validate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    loaded = load_documents(args.filename)
+    loaded = load_documents(args.filename, _policy(args))
     if not _report(loaded, err):
         return EXIT_INVALID
     print("\n\n".join(format_plan(_plan_of(item.obj)) for item in loaded), file=out)
@@ -120,12 +139,13 @@ def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _cmd_render(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    loaded = load_documents(args.filename)
+    policy = _policy(args)
+    loaded = load_documents(args.filename, policy)
     if not _report(loaded, err):
         return EXIT_INVALID
     objs: list[dict[str, Any]] = []
     for item in loaded:
-        objs += render(item.obj.spec, _plan_of(item.obj), owner_uid=args.owner_uid)
+        objs += render(item.obj.spec, _plan_of(item.obj), owner_uid=args.owner_uid, policy=policy)
     out.write(render_stream(objs))
     return EXIT_OK
 
@@ -149,16 +169,25 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
+    def policy_flag(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--policy", metavar="VALUES",
+                       help="the afd-operator chart values (YAML) the cluster runs with: check hostAccess as its "
+                            "webhook does and render its networkPolicy (default: host access not checked, the "
+                            "chart's default network policy)")
+
     p = add("validate", "Check AFDDeployment files; list every problem with its field path.", _cmd_validate)
     p.add_argument("-f", "--filename", action="append", required=True, metavar="FILE",
                    help="YAML file (repeatable; '-' reads stdin; multi-document files allowed)")
+    policy_flag(p)
     p = add("plan", "Show the topology plan: instances, pods per role, ranks, devices, DP start "
                     "ranks and endpoints.", _cmd_plan)
     p.add_argument("-f", "--filename", action="append", required=True, metavar="FILE", help="YAML file")
+    policy_flag(p)
     p = add("render", "Print the Kubernetes objects the operator would create, as a YAML stream.", _cmd_render)
     p.add_argument("-f", "--filename", action="append", required=True, metavar="FILE", help="YAML file")
     p.add_argument("--owner-uid", metavar="UID",
                    help="add owner references to this AFDDeployment UID (as the operator does)")
+    policy_flag(p)
     add("crd", "Print the AFDDeployment CustomResourceDefinition.", _cmd_crd)
     return parser
 

@@ -3,8 +3,10 @@
 pydantic emits JSON Schema (with $refs, anyOf-null, additionalProperties); Kubernetes
 wants a *structural* OpenAPI v3 schema: everything inlined, `nullable` instead of
 null branches, `x-kubernetes-int-or-string` for int|percent, and
-`x-kubernetes-preserve-unknown-fields` only where the models mark a field free-form.
-Cross-field rules are not expressed here (1.20 has no CEL); they run in validation.py.
+`x-kubernetes-preserve-unknown-fields` only where a model marks a field free-form (none does
+today: even the core/v1 pieces are typed). The documented maxima (minimum, maximum, maxLength,
+maxItems, maxProperties) are kept, so the API server enforces them too, `kubectl scale`
+included. Cross-field rules are not expressed here (1.20 has no CEL); they run in validation.py.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ CRD_FILE = f"{GROUP}_{PLURAL}.yaml"
 
 _KEPT_KEYWORDS = (
     "type", "description", "minimum", "maximum", "minLength", "maxLength", "pattern",
-    "enum", "minItems", "maxItems", "format",
+    "enum", "minItems", "maxItems", "maxProperties", "format",
 )
 _EXTENSIONS = ("x-kubernetes-preserve-unknown-fields", "x-kubernetes-int-or-string")
 

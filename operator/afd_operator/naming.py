@@ -7,12 +7,10 @@ double as DNS hostnames, so every generated name must stay a DNS-1123 label (63 
 
 from __future__ import annotations
 
-import re
-
+from . import kube_rules
 from .api import GROUP
 
-DNS_LABEL_MAX = 63
-_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+DNS_LABEL_MAX = kube_rules.DNS_LABEL_MAX
 
 ROLE_SHORT = {"attention": "attn", "ffn": "ffn"}
 
@@ -41,7 +39,7 @@ MANAGER = "afd-operator"
 
 
 def is_dns_1035_label(name: str) -> bool:
-    return len(name) <= DNS_LABEL_MAX and bool(_DNS_1035.match(name))
+    return kube_rules.dns_1035_label(name) is None
 
 
 def instance_name(deployment: str, revision: str, index: int) -> str:
@@ -57,10 +55,6 @@ def runtime_configmap_name(deployment: str, revision: str) -> str:
 
 
 def api_service_name(deployment: str) -> str:
-    return deployment
-
-
-def pdb_name(deployment: str) -> str:
     return deployment
 
 

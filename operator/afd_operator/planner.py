@@ -19,16 +19,15 @@ pods declare ports: headless Attention pods may share a node with any pod.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Iterable, Literal, Optional, Union
-
-from kubernetes.utils.quantity import parse_quantity
 
 from afd_shared_experts.config import AFDConfig, SharedExpertsConfig, stage_limit
 
 from . import naming
-from .api import DEFAULT_STAGES, AFDDeploymentSpec
+from .api import DEFAULT_STAGES, HCCN_CONF, AFDDeploymentSpec, ResourceRequirements
+from .kube_rules import quantity_value
 from .revision import revision_of
 
 Role = Literal["attention", "ffn"]
@@ -287,13 +286,11 @@ def _common_env(spec: AFDDeploymentSpec, role: Role) -> list[tuple[str, str]]:
     return env
 
 
-def _container_cores(resources: Optional[dict]) -> Optional[Decimal]:
-    """The cores a container may use: its CPU limit, else its request; None when neither is set
-    (quantities checked by validation._check_resources)."""
-    for kind in ("limits", "requests"):
-        value = ((resources or {}).get(kind) or {}).get("cpu")
-        if value is not None:
-            return parse_quantity(value)
+def _container_cores(resources: ResourceRequirements) -> Optional[Decimal]:
+    """The cores a container may use: its CPU limit, else its request; None when neither is set."""
+    for amounts in (resources.limits, resources.requests):
+        if "cpu" in amounts:
+            return quantity_value(amounts["cpu"])
     return None
 
 
@@ -324,6 +321,39 @@ def _engine_ready_env(spec: AFDDeploymentSpec) -> list[tuple[str, str]]:
 # when this is set, so counters of its engine-core and worker processes (the plugin's afd_*
 # metrics of each Attention rank) appear there beside vLLM's own. An emptyDir: fresh per pod.
 PROMETHEUS_MULTIPROC_DIR = "/var/run/afd-prometheus"
+# Where processes may write on platform cpu, whose pods have a read-only root filesystem: an
+# emptyDir, also HOME, so vLLM's, torch's and Python's caches and temporary files land there.
+SCRATCH_DIR = "/tmp"
+SHM_VOLUME, SCRATCH_VOLUME, METRICS_VOLUME = "dshm", "scratch", "prometheus-multiproc"
+MODEL_VOLUME, HCCN_VOLUME, ASCEND_HOST_VOLUME = "model", "hccn-conf", "ascend-host"
+
+
+def read_only_root(spec: AFDDeploymentSpec) -> bool:
+    """Pods run with a read-only root filesystem as a non-root user (platform cpu; docs/install.md
+    says why Ascend pods do not)."""
+    return spec.platform == "cpu"
+
+
+def operator_mounts(spec: AFDDeploymentSpec, head: bool = True) -> dict[str, str]:
+    """Volume name -> mount path of the volumes the operator gives a pod (the head's metrics
+    directory included unless `head` is False). Users' volumes may use neither."""
+    mounts = {SHM_VOLUME: "/dev/shm"}
+    if head:
+        mounts[METRICS_VOLUME] = PROMETHEUS_MULTIPROC_DIR
+    if read_only_root(spec):
+        mounts[SCRATCH_VOLUME] = SCRATCH_DIR
+    if spec.model.volume is not None:
+        mounts[MODEL_VOLUME] = spec.model.volume.mount_path
+    if spec.platform == "ascend":
+        for i, path in enumerate(spec.ascend.driver_host_paths):
+            mounts[f"{ASCEND_HOST_VOLUME}-{i}"] = path
+        if spec.ascend.mount_hccn_conf:
+            mounts[HCCN_VOLUME] = HCCN_CONF
+    return mounts
+
+
+def _scratch_env(spec: AFDDeploymentSpec) -> list[tuple[str, str]]:
+    return [("HOME", SCRATCH_DIR), ("TMPDIR", SCRATCH_DIR)] if read_only_root(spec) else []
 
 
 def _attention_pod(
@@ -359,7 +389,8 @@ def _attention_pod(
         name=naming.pod_name(plan_name, revision, index, "attention", ordinal),
         rank_start=rank_start, ranks=ranks, world_rank_start=rank_start, head=head,
         dp_start_rank=dp_start, dp_local=dp_local, command=tuple(command),
-        env=tuple(_common_env(spec, "attention") + _cpu_threads_env(spec, "attention", ranks) + _engine_ready_env(spec)
+        env=tuple(_common_env(spec, "attention") + _scratch_env(spec) + _cpu_threads_env(spec, "attention", ranks)
+                  + _engine_ready_env(spec)
                   + ([("PROMETHEUS_MULTIPROC_DIR", PROMETHEUS_MULTIPROC_DIR)] if head else [])),
         ports=tuple(pod_ports), afd_config=config,
     )
@@ -388,7 +419,7 @@ def _ffn_pod(
         name=naming.pod_name(plan_name, revision, index, "ffn", ordinal),
         rank_start=rank_start, ranks=ranks, world_rank_start=attention_ranks + rank_start, head=False,
         dp_start_rank=None, dp_local=None, command=tuple(command),
-        env=tuple(_common_env(spec, "ffn") + _cpu_threads_env(spec, "ffn", ranks)),
+        env=tuple(_common_env(spec, "ffn") + _scratch_env(spec) + _cpu_threads_env(spec, "ffn", ranks)),
         ports=tuple(pod_ports), afd_config=config,
     )
 
@@ -408,17 +439,23 @@ def role_configs(spec: AFDDeploymentSpec, name: str, namespace: str, revision: s
     return {role: afd_config(spec, role, host, port) for role in ("attention", "ffn")}
 
 
+def instance_frame(spec: AFDDeploymentSpec, name: str, namespace: str, revision: str, index: int) -> InstancePlan:
+    """Instance `index` without its pods: what its Service, PDB and NetworkPolicy need."""
+    return InstancePlan(index=index, name=naming.instance_name(name, revision, index),
+                        head_host=head_host(spec, name, namespace, revision, index),
+                        ports=instance_ports(spec, index), pods=())
+
+
 def plan_instance(spec: AFDDeploymentSpec, name: str, namespace: str, revision: str, index: int) -> InstancePlan:
     att, ffn = attention_layout(spec), ffn_layout(spec)
-    inst = naming.instance_name(name, revision, index)
-    host = head_host(spec, name, namespace, revision, index)
-    ports = instance_ports(spec, index)
+    frame = instance_frame(spec, name, namespace, revision, index)
     configs = role_configs(spec, name, namespace, revision, index)
     # FFN pods first: with startup order FFNFirst they are created first.
-    pods = [_ffn_pod(spec, name, revision, index, k, ffn, att.ranks, ports, configs["ffn"]) for k in range(ffn.pods)]
-    pods += [_attention_pod(spec, name, revision, index, k, att, host, ports, configs["attention"])
+    pods = [_ffn_pod(spec, name, revision, index, k, ffn, att.ranks, frame.ports, configs["ffn"])
+            for k in range(ffn.pods)]
+    pods += [_attention_pod(spec, name, revision, index, k, att, frame.head_host, frame.ports, configs["attention"])
              for k in range(att.pods)]
-    return InstancePlan(index=index, name=inst, head_host=host, ports=ports, pods=tuple(pods))
+    return replace(frame, pods=tuple(pods))
 
 
 def plan(

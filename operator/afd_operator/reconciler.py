@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional
 from . import drain_probe
 from .controller import decide
 from .managers import ChildManager, Round
-from .managers.disruption_budget import DisruptionBudgetManager
+from .managers.instance_guards import DisruptionBudgetManager, NetworkPolicyManager
 from .managers.pod_groups import PodGroupManager
 from .managers.pod_monitor import PodMonitorManager
 from .managers.pods import PodManager
@@ -27,6 +27,7 @@ from .memory import DeploymentMemory, Memory
 from .metrics import OperatorMetrics
 from .observe import Observed
 from .planner import plan
+from .policy import ClusterPolicy
 from .render import owner_reference
 from .revision import revision_of
 from .status import build_status, invalid_status, records_from_status, write_failed_status, write_failure_reason
@@ -59,15 +60,16 @@ class _Target:
 
 
 class Reconciler:
-    def __init__(self, writer: Writer, metrics: OperatorMetrics):
+    def __init__(self, writer: Writer, metrics: OperatorMetrics, policy: ClusterPolicy = ClusterPolicy()):
         self.writer = writer
         self.metrics = metrics
+        self.policy = policy
         self.memory = Memory()
         self.pods = PodManager()
-        # In the order their children must exist: a pod's Service, snapshot and gang first.
+        # In the order their children must exist: a pod's Service, snapshot, guards and gang first.
         self.managers: tuple[ChildManager, ...] = (
-            SnapshotManager(), ServiceManager(), DisruptionBudgetManager(), PodMonitorManager(),
-            PodGroupManager(), self.pods)
+            SnapshotManager(), ServiceManager(), DisruptionBudgetManager(), NetworkPolicyManager(),
+            PodMonitorManager(), PodGroupManager(), self.pods)
 
     # -- entry point ----------------------------------------------------------------------
     def reconcile(self, body: Mapping[str, Any], observed: Observed, now: Optional[float] = None,
@@ -95,7 +97,9 @@ class Reconciler:
             return self._refused(target, err, now)
 
     def _converge(self, t: _Target, observed: Observed, now: float, deleting: bool) -> ReconcileResult:
-        spec, problems = validate_spec(t.body.get("spec") or {}, t.name, namespace=t.namespace)
+        # Never raises: a spec that breaks the validator itself is a problem like any other, so it
+        # sets ConfigValid=False and a teardown still runs (without order) instead of failing.
+        spec, problems = validate_spec(t.body.get("spec") or {}, t.name, namespace=t.namespace, policy=self.policy)
         if spec is None:
             if deleting:  # nothing can be planned: tear down what exists without order
                 return self._teardown_unplannable(t, observed)
@@ -115,7 +119,7 @@ class Reconciler:
 
         current_round = Round(writer=self.writer, spec=spec, plan=plan(spec, t.name, t.namespace, indices=[]),
                               owner=owner_reference(t.name, t.body["metadata"]["uid"]), observed=observed,
-                              decision=decision, memory=t.memory, now=now, deleting=deleting)
+                              decision=decision, memory=t.memory, now=now, deleting=deleting, policy=self.policy)
         for manager in self.managers:
             manager.sync(current_round)
         for event in decision.events:
@@ -128,7 +132,7 @@ class Reconciler:
         # Written while deleting too: the instances' phases show the teardown, and the next
         # round starts from them, so each phase change is announced once.
         self._write_status(t, build_status(t.name, spec, revision, decision, observed.pods, t.previous,
-                                           t.generation, now))
+                                           t.generation, now, self.policy.network))
         self.metrics.record_decision(t.namespace, t.name, decision)
         return ReconcileResult(finished=False, next_wakeup=decision.next_wakeup)
 

@@ -5,9 +5,11 @@ ordered, recreated and rolled as one unit. Objects per deployment: a ConfigMap p
 revision (the plan summary, pods per role: how the reconciler knows the layout of an
 older revision's instances while they are still running; only the current revision's
 instances are ever created), a headless Service per instance (stable pod DNS for the
-connector rendezvous), the OpenAI API Service (serving Attention heads only), a
-PodDisruptionBudget, a Volcano PodGroup per instance when gang scheduling is on, a
-PodMonitor when asked, and one Pod per planned pod.
+connector rendezvous), a PodDisruptionBudget and a NetworkPolicy per instance, the OpenAI API
+Service (serving Attention heads only), a Volcano PodGroup per instance when gang scheduling is
+on, a PodMonitor when asked, and one Pod per planned pod, restricted by default (seccomp,
+no capabilities, no privilege escalation, no service-account token; on platform cpu a
+non-root user and a read-only root filesystem).
 
 Each pod's `afd` block is the planner's `AFDConfig`, serialized by the plugin's own
 `as_additional_config()` into `--additional-config`: one schema, which `parse_afd_config`
@@ -19,18 +21,24 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from . import naming
-from .api import API_VERSION, KIND, AFDDeploymentSpec, EnvVar, PodTemplateOverrides
-from .planner import (PROMETHEUS_MULTIPROC_DIR, InstancePlan, Plan, PodPlan, prestop_seconds, rollout_budget,
+from .api import API_VERSION, KIND, AFDDeploymentSpec, PodTemplateOverrides
+from .planner import (ASCEND_HOST_VOLUME, HCCN_VOLUME, METRICS_VOLUME, MODEL_VOLUME, SCRATCH_VOLUME, SHM_VOLUME,
+                      InstancePlan, Plan, PodPlan, operator_mounts, prestop_seconds, read_only_root,
                       uses_host_network)
+from .kube_types import wire
+from .policy import ClusterPolicy, NetworkIsolation
 
 Obj = dict[str, Any]
 
 PROBE_PERIOD_SECONDS = 10
-HCCN_CONF = "/etc/hccn.conf"
 _LABEL_VALUE = re.compile(r"[^A-Za-z0-9._-]")
+# Device nodes of the NPU driver belong to its own user on the host and keep that owner in the
+# container; the vLLM-Ascend images run as root, which opens them only with this capability.
+ASCEND_CAPABILITIES = ["DAC_OVERRIDE"]
 
 
 def owner_reference(name: str, uid: str) -> Obj:
@@ -60,8 +68,32 @@ def image_version_label(image: str) -> Optional[str]:
     return tag or None
 
 
+@dataclass(frozen=True)
+class RolePieces:
+    """A role's pieces of the spec as every one of its pods carries them, put in wire form once
+    (an instance may have a thousand pods of a role)."""
+
+    env: list[Obj]
+    volumes: list[Obj]
+    volume_mounts: list[Obj]
+    tolerations: list[Obj]
+    affinity: Optional[Obj]
+    topology_spread_constraints: list[Obj]
+
+
+def role_pieces(spec: AFDDeploymentSpec, role: str) -> RolePieces:
+    role_spec = spec.attention if role == "attention" else spec.ffn
+    overrides = role_spec.pod_template
+    return RolePieces(
+        env=[u.model_dump(by_alias=True, exclude_none=True) for u in role_spec.env],
+        volumes=[wire(v) for v in overrides.volumes], volume_mounts=[wire(m) for m in overrides.volume_mounts],
+        tolerations=[wire(t) for t in overrides.tolerations],
+        affinity=wire(overrides.affinity) if overrides.affinity else None,
+        topology_spread_constraints=[wire(t) for t in overrides.topology_spread_constraints])
+
+
 def _env(plan_env: tuple[tuple[str, str], ...], spec: AFDDeploymentSpec, pod: PodPlan,
-         revision: str, instance: InstancePlan, user: list[EnvVar]) -> list[Obj]:
+         revision: str, instance: InstancePlan, user: list[Obj]) -> list[Obj]:
     def field(path: str) -> Obj:
         return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
 
@@ -79,15 +111,14 @@ def _env(plan_env: tuple[tuple[str, str], ...], spec: AFDDeploymentSpec, pod: Po
     ]
     env += [{"name": k, "value": v} for k, v in plan_env]
     # User variables win over the operator's defaults of the same name.
-    overridden = {u.name for u in user}
+    overridden = {u["name"] for u in user}
     env = [e for e in env if e["name"] not in overridden]
-    env += [u.model_dump(by_alias=True, exclude_none=True) for u in user]
-    return env
+    return env + user
 
 
 def _resources(spec: AFDDeploymentSpec, pod: PodPlan, overrides: PodTemplateOverrides) -> Obj:
-    requests: dict[str, Any] = dict((overrides.resources or {}).get("requests", {}))
-    limits: dict[str, Any] = dict((overrides.resources or {}).get("limits", {}))
+    requests: dict[str, Any] = dict(overrides.resources.requests)
+    limits: dict[str, Any] = dict(overrides.resources.limits)
     if spec.platform == "ascend":
         # Extended resources must have requests == limits.
         requests[spec.ascend.resource_name] = pod.ranks
@@ -100,34 +131,47 @@ def _resources(spec: AFDDeploymentSpec, pod: PodPlan, overrides: PodTemplateOver
     return out
 
 
-def _volumes(spec: AFDDeploymentSpec, pod: PodPlan, overrides: PodTemplateOverrides) -> tuple[list[Obj], list[Obj]]:
-    shm: Obj = {"medium": "Memory"}
-    if spec.platform == "ascend":
-        shm["sizeLimit"] = spec.ascend.shm_size
-    volumes: list[Obj] = [{"name": "dshm", "emptyDir": shm}]
-    mounts: list[Obj] = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    if pod.head:
-        volumes.append({"name": "prometheus-multiproc", "emptyDir": {}})
-        mounts.append({"name": "prometheus-multiproc", "mountPath": PROMETHEUS_MULTIPROC_DIR})
-    vol = spec.model.volume
-    if vol is not None:
-        source = (
-            {"persistentVolumeClaim": {"claimName": vol.claim_name, "readOnly": True}}
-            if vol.claim_name is not None
-            else {"hostPath": {"path": vol.host_path, "type": "Directory"}}
-        )
-        volumes.append({"name": "model", **source})
-        mounts.append({"name": "model", "mountPath": vol.mount_path, "readOnly": True})
-    if spec.platform == "ascend":
-        for i, path in enumerate(spec.ascend.driver_host_paths):
-            volumes.append({"name": f"ascend-host-{i}", "hostPath": {"path": path}})
-            mounts.append({"name": f"ascend-host-{i}", "mountPath": path, "readOnly": True})
-        if spec.ascend.mount_hccn_conf:
-            volumes.append({"name": "hccn-conf", "hostPath": {"path": HCCN_CONF, "type": "File"}})
-            mounts.append({"name": "hccn-conf", "mountPath": HCCN_CONF, "readOnly": True})
-    volumes += [dict(v) for v in overrides.volumes]
-    mounts += [dict(m) for m in overrides.volume_mounts]
-    return volumes, mounts
+def _operator_volume(spec: AFDDeploymentSpec, name: str, path: str) -> Obj:
+    if name == SHM_VOLUME:
+        shm: Obj = {"medium": "Memory"}
+        if spec.platform == "ascend":
+            shm["sizeLimit"] = spec.ascend.shm_size
+        return {"name": name, "emptyDir": shm}
+    if name in (METRICS_VOLUME, SCRATCH_VOLUME):
+        return {"name": name, "emptyDir": {}}
+    if name == MODEL_VOLUME:
+        vol = spec.model.volume
+        if vol.claim_name is not None:
+            return {"name": name, "persistentVolumeClaim": {"claimName": vol.claim_name, "readOnly": True}}
+        return {"name": name, "hostPath": {"path": vol.host_path, "type": "Directory"}}
+    if name == HCCN_VOLUME:
+        return {"name": name, "hostPath": {"path": path, "type": "File"}}
+    assert name.startswith(ASCEND_HOST_VOLUME), name
+    return {"name": name, "hostPath": {"path": path}}
+
+
+def _volumes(spec: AFDDeploymentSpec, pod: PodPlan, pieces: RolePieces) -> tuple[list[Obj], list[Obj]]:
+    volumes, mounts = [], []
+    for name, path in operator_mounts(spec, head=pod.head).items():
+        volumes.append(_operator_volume(spec, name, path))
+        mount: Obj = {"name": name, "mountPath": path}
+        if volumes[-1].keys() & {"hostPath", "persistentVolumeClaim"}:
+            mount["readOnly"] = True
+        mounts.append(mount)
+    return volumes + pieces.volumes, mounts + pieces.volume_mounts
+
+
+def _security_contexts(spec: AFDDeploymentSpec) -> tuple[Obj, Obj]:
+    """(pod, container) security contexts: the restricted profile, less what Ascend needs."""
+    pod: Obj = {"seccompProfile": {"type": "RuntimeDefault"}}
+    container: Obj = {"allowPrivilegeEscalation": False, "privileged": False, "capabilities": {"drop": ["ALL"]}}
+    if read_only_root(spec):
+        # The image's numeric USER (images/runtime-cpu) runs the processes; kubelet checks it is not root.
+        pod["runAsNonRoot"] = True
+        container["readOnlyRootFilesystem"] = True
+    else:
+        container["capabilities"]["add"] = list(ASCEND_CAPABILITIES)
+    return pod, container
 
 
 def _http_probe(path: str, port: str, period: int, failures: int) -> Obj:
@@ -172,9 +216,10 @@ def additional_config_json(pod: PodPlan) -> str:
 
 
 def render_pod(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, pod: PodPlan,
-               owner: Optional[Obj] = None) -> Obj:
-    role_spec = spec.attention if pod.role == "attention" else spec.ffn
-    overrides = role_spec.pod_template
+               owner: Optional[Obj] = None, pieces: Optional[RolePieces] = None) -> Obj:
+    """One pod; `pieces` (role_pieces of its role) saves putting them in wire form per pod."""
+    overrides = (spec.attention if pod.role == "attention" else spec.ffn).pod_template
+    pieces = pieces or role_pieces(spec, pod.role)
     host_net = uses_host_network(spec)
     labels = _merge_labels(
         overrides.labels,
@@ -189,23 +234,24 @@ def render_pod(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, pod:
     annotations = dict(overrides.annotations)
     if spec.scheduling.gang.provider == "volcano":
         annotations["scheduling.k8s.io/group-name"] = instance.name
-    volumes, mounts = _volumes(spec, pod, overrides)
+    volumes, mounts = _volumes(spec, pod, pieces)
     ports = []
     for port_name, number in pod.ports:
         entry: Obj = {"name": port_name, "containerPort": number, "protocol": "TCP"}
         if host_net:
             entry["hostPort"] = number
         ports.append(entry)
+    pod_security, container_security = _security_contexts(spec)
     container: Obj = {
         "name": pod.role,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": [*pod.command, "--additional-config", additional_config_json(pod)],
-        "env": _env(pod.env, spec, pod, plan.revision, instance, role_spec.env),
+        "env": _env(pod.env, spec, pod, plan.revision, instance, pieces.env),
         "ports": ports,
         "resources": _resources(spec, pod, overrides),
         "volumeMounts": mounts,
-        "securityContext": {"allowPrivilegeEscalation": False},
+        "securityContext": container_security,
         # A rank that fails leaves its log's tail in its status; the operator's failure event
         # quotes its last line after the pod is gone.
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -221,6 +267,9 @@ def render_pod(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, pod:
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": spec.termination.grace_period_seconds,
         "enableServiceLinks": False,
+        # The runtime never calls the Kubernetes API.
+        "automountServiceAccountToken": False,
+        "securityContext": pod_security,
         "containers": [container],
         "volumes": volumes,
     }
@@ -235,12 +284,12 @@ def render_pod(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, pod:
         pod_spec["priorityClassName"] = spec.scheduling.priority_class_name
     if overrides.node_selector:
         pod_spec["nodeSelector"] = dict(overrides.node_selector)
-    if overrides.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in overrides.tolerations]
-    if overrides.affinity:
-        pod_spec["affinity"] = dict(overrides.affinity)
-    if overrides.topology_spread_constraints:
-        pod_spec["topologySpreadConstraints"] = [dict(t) for t in overrides.topology_spread_constraints]
+    if pieces.tolerations:
+        pod_spec["tolerations"] = pieces.tolerations
+    if pieces.affinity:
+        pod_spec["affinity"] = pieces.affinity
+    if pieces.topology_spread_constraints:
+        pod_spec["topologySpreadConstraints"] = pieces.topology_spread_constraints
     if overrides.service_account_name:
         pod_spec["serviceAccountName"] = overrides.service_account_name
     return {
@@ -303,16 +352,52 @@ def render_runtime_configmap(plan: Plan, owner: Optional[Obj] = None) -> Obj:
     }
 
 
-def render_pdb(spec: AFDDeploymentSpec, plan: Plan, owner: Optional[Obj] = None) -> Obj:
-    # Losing any pod loses its whole instance, so allowing N pod disruptions keeps at most N
-    # instances down: the budget of updateStrategy.maxUnavailable, but at least one so that
-    # node drains are never blocked forever.
-    allowed = max(1, rollout_budget(spec).unavailable)
+def render_pdb(plan: Plan, instance: InstancePlan, owner: Optional[Obj] = None) -> Obj:
+    """At most one pod of the instance disrupted at a time: losing a pod loses the instance.
+    An integer minAvailable makes the disruption controller count the pods the selector finds
+    (with maxUnavailable it would take the expected count from the AFDDeployment's scale,
+    which counts instances, not pods)."""
+    labels = _merge_labels(naming.base_labels(plan.name, "disruption-budget"),
+                           naming.instance_labels(plan.name, plan.revision, instance.index))
     return {
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-        "metadata": _meta(naming.pdb_name(plan.name), plan.namespace, naming.base_labels(plan.name, "pdb"), owner),
-        "spec": {"maxUnavailable": allowed, "selector": {"matchLabels": naming.selector_labels(plan.name)}},
+        "metadata": _meta(instance.name, plan.namespace, labels, owner),
+        "spec": {"minAvailable": plan.pods_per_instance - 1,
+                 "selector": {"matchLabels": {naming.LABEL_AFD_INSTANCE: instance.name}}},
     }
+
+
+def render_network_policy(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, network: NetworkIsolation,
+                          owner: Optional[Obj] = None) -> Obj:
+    """Ingress of the instance's pods: anything from pods of the same instance (the connector
+    rendezvous, DP RPC and FFN ports, and the ports the engines and the AFD process group pick
+    at run time), the API port from `service.allowedClients` (anyone when empty), the FFN
+    metrics port from the chart's `networkPolicy.metricsFrom`. Probes come from the node, which
+    NetworkPolicy always admits."""
+    def own() -> Obj:
+        return {"matchLabels": {naming.LABEL_AFD_INSTANCE: instance.name}}
+
+    api_rule: Obj = {"ports": [{"protocol": "TCP", "port": "api"}]}
+    if spec.service.allowed_clients:
+        # The head serves its metrics on the API port: scrapers keep their way in.
+        api_rule["from"] = [wire(p) for p in spec.service.allowed_clients] + [dict(p) for p in network.metrics_from]
+    ingress = [{"from": [{"podSelector": own()}]}, api_rule]
+    if spec.metrics.enabled and network.metrics_from:
+        ingress.append({"from": [dict(p) for p in network.metrics_from],
+                        "ports": [{"protocol": "TCP", "port": "metrics"}]})
+    labels = _merge_labels(naming.base_labels(plan.name, "network-policy"),
+                           naming.instance_labels(plan.name, plan.revision, instance.index))
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _meta(instance.name, plan.namespace, labels, owner),
+        "spec": {"podSelector": own(), "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
+def covers_pods(spec: AFDDeploymentSpec, network: NetworkIsolation) -> bool:
+    """Whether NetworkPolicies are rendered: on unless the chart turns them off; host-network
+    pods cannot be selected by one (the NetworkIsolated condition says so)."""
+    return network.enabled and not uses_host_network(spec)
 
 
 def render_pod_group(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, owner: Optional[Obj] = None) -> Obj:
@@ -342,28 +427,33 @@ def render_pod_monitor(spec: AFDDeploymentSpec, plan: Plan, owner: Optional[Obj]
     }
 
 
-def render_instance(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, owner: Optional[Obj] = None) -> list[Obj]:
-    """Objects of one instance: headless Service, PodGroup (gang) and its pods (FFN first)."""
-    objs = [render_instance_service(spec, plan, instance, owner)]
+def render_instance(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, owner: Optional[Obj] = None,
+                    network: NetworkIsolation = NetworkIsolation()) -> list[Obj]:
+    """Objects of one instance: headless Service, PDB, NetworkPolicy, PodGroup (gang) and its
+    pods (FFN first)."""
+    objs = [render_instance_service(spec, plan, instance, owner), render_pdb(plan, instance, owner)]
+    if covers_pods(spec, network):
+        objs.append(render_network_policy(spec, plan, instance, network, owner))
     if spec.scheduling.gang.provider == "volcano":
         objs.append(render_pod_group(spec, plan, instance, owner))
-    objs += [render_pod(spec, plan, instance, pod, owner) for pod in instance.pods]
+    pieces = {role: role_pieces(spec, role) for role in ("attention", "ffn")}
+    objs += [render_pod(spec, plan, instance, pod, owner, pieces[pod.role]) for pod in instance.pods]
     return objs
 
 
 def render_shared(spec: AFDDeploymentSpec, plan: Plan, owner: Optional[Obj] = None) -> list[Obj]:
     """Objects shared by all instances of the plan's revision."""
-    objs = [render_runtime_configmap(plan, owner), render_api_service(spec, plan, owner),
-            render_pdb(spec, plan, owner)]
+    objs = [render_runtime_configmap(plan, owner), render_api_service(spec, plan, owner)]
     if spec.metrics.enabled and spec.metrics.pod_monitor:
         objs.append(render_pod_monitor(spec, plan, owner))
     return objs
 
 
-def render(spec: AFDDeploymentSpec, plan: Plan, owner_uid: Optional[str] = None) -> list[Obj]:
+def render(spec: AFDDeploymentSpec, plan: Plan, owner_uid: Optional[str] = None,
+           policy: ClusterPolicy = ClusterPolicy()) -> list[Obj]:
     """Every object of a deployment at the plan's revision, in a stable order."""
     owner = owner_reference(plan.name, owner_uid) if owner_uid else None
     objs = render_shared(spec, plan, owner)
     for instance in plan.instances:
-        objs += render_instance(spec, plan, instance, owner)
+        objs += render_instance(spec, plan, instance, owner, policy.network)
     return objs

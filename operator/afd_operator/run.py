@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Optional
 
+from .policy import PolicyError, load_policy
 from .settings import OperatorConfig, WebhookConfig
 
 
@@ -46,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="create and maintain this ValidatingWebhookConfiguration, a fully qualified name "
                         "such as validation.afd.inference.dev (default: none; "
                         "the Helm chart installs its own)")
+    p.add_argument("--policy", metavar="FILE",
+                   help="chart values (YAML) whose hostAccess and networkPolicy say what AFDDeployments may use of "
+                        "the nodes and how their pods are isolated (default: the chart's defaults; the chart mounts "
+                        "its own)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -64,6 +69,10 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         raise SystemExit("afd-operator: --resync-seconds must be > 0")
     if args.reconcile_workers < 1:
         raise SystemExit("afd-operator: --reconcile-workers must be >= 1")
+    try:
+        policy = load_policy(args.policy) if args.policy else None
+    except (OSError, PolicyError) as err:
+        raise SystemExit(f"afd-operator: --policy {args.policy}: {err}") from None
     return OperatorConfig(
         namespaces=list(args.namespace),
         kubeconfig=None if args.in_cluster else args.kubeconfig,
@@ -73,6 +82,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         watch_timeout_seconds=args.watch_timeout_seconds,
         reconcile_workers=args.reconcile_workers,
         webhook=webhook,
+        **({"policy": policy} if policy else {}),
     )
 
 

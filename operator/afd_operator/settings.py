@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Optional
 from kubernetes import client, config as kube_config
 from prometheus_client import CollectorRegistry
 
+from .policy import ClusterPolicy
+
 if TYPE_CHECKING:
     import kopf
 
@@ -35,6 +37,8 @@ class OperatorConfig:
     watch_timeout_seconds: int = 300
     reconcile_workers: int = 8  # threads running reconciliations (blocking API calls)
     webhook: Optional[WebhookConfig] = None
+    # What AFDDeployments may use of the nodes and how their pods are isolated (the chart's values).
+    policy: ClusterPolicy = field(default_factory=ClusterPolicy)
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def client_configuration(self) -> client.Configuration:

@@ -14,7 +14,8 @@ from . import naming
 from .api import AFDDeploymentSpec, Phase
 from .controller import Decision, InstanceRecord
 from .observe import ObservedPod, format_time, parse_time
-from .planner import rollout_budget, topology_string
+from .planner import rollout_budget, topology_string, uses_host_network
+from .policy import NetworkIsolation
 from .validation import Problem
 from .writer import ApiWriteError
 
@@ -79,6 +80,17 @@ def _pod_counts(pods: Iterable[ObservedPod]) -> dict[str, tuple[int, int]]:
     return counts
 
 
+def isolation(spec: AFDDeploymentSpec, network: NetworkIsolation) -> tuple[bool, str, str]:
+    """NetworkIsolated: (status, reason, message)."""
+    if not network.enabled:
+        return False, "DisabledInCluster", "chart value networkPolicy.enabled is false: no NetworkPolicy is rendered"
+    if uses_host_network(spec):
+        return False, "HostNetwork", ("the pods use host networking (spec.ascend.hostNetwork): no NetworkPolicy can "
+                                      "select them, so their connector, DP RPC and FFN ports are open on the nodes' "
+                                      "addresses")
+    return True, "PerInstancePolicies", "each instance admits its own pods, API clients and metrics scrapers"
+
+
 def build_status(
     name: str,
     spec: AFDDeploymentSpec,
@@ -88,6 +100,7 @@ def build_status(
     previous: Optional[Mapping[str, Any]],
     generation: Optional[int],
     now: float,
+    network: NetworkIsolation = NetworkIsolation(),
 ) -> dict[str, Any]:
     previous = previous or {}
     prev_conditions = {c.get("type"): c for c in previous.get("conditions") or []}
@@ -123,6 +136,7 @@ def build_status(
                    "InstancesDown" if decision.degraded else "AsExpected", "; ".join(decision.degraded),
                    generation, now),
         _condition(prev_conditions, "ConfigValid", True, "Valid", "", generation, now),
+        _condition(prev_conditions, "NetworkIsolated", *isolation(spec, network), generation, now),
     ]
     return {
         "observedGeneration": generation,

@@ -1,32 +1,53 @@
-"""Validation of AFDDeployment objects: every problem at once, each with its field path.
+"""Validation of AFDDeployment objects: every problem at once, each with its field path, and
+an answer for any input: a problem list, never an exception.
 
-Schema rules come from the pydantic models; cross-field rules (which a Kubernetes 1.20
-CRD cannot express without CEL) live here; last, the plugin's own parser judges the `afd`
-block of every pod the spec plans, so what the pods would refuse is refused here, with the
-plugin's message under the spec field it came from. All three are shared by `afdctl
-validate`, the admission webhook and the operator's ConfigValid condition.
+First the shape of the raw object (depth, size, JSON types: what the API server could store);
+then the schema rules of the pydantic models (with the API server's own rules for what passes
+through to pods, kube_types.py); then cross-field rules (which a Kubernetes 1.20 CRD cannot
+express without CEL) and the cluster's host-access policy (policy.py); last, the plugin's own
+parser judges the `afd` block the spec plans, so what the pods would refuse is refused here,
+with the plugin's message under the spec field it came from. All of it is shared by `afdctl
+validate`, the admission webhook and the operator's ConfigValid condition. The work does not
+grow with `replicas`: per-instance rules are checked on the instances where they bind.
 """
 
 from __future__ import annotations
 
-import re
+import logging
+import math
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any, Optional, Union
 
 from afd_shared_experts.config import AFDConfigError
-from kubernetes.utils.quantity import parse_quantity
 from pydantic import ValidationError
 
-from . import naming
-from .api import AFDDeployment, AFDDeploymentSpec, EnvVar
-from .planner import (attention_layout, ffn_layout, instance_ports, role_configs, rollout_budget, spec_stage_limit,
-                      uses_host_network)
+from . import kube_rules, naming
+from .api import (MAX_REPLICAS, MAX_ROLE_RANKS, RESOURCE_NAMES, AFDDeployment, AFDDeploymentSpec, EnvVar,
+                  PodTemplateOverrides, ResourceRequirements)
+from .kube_rules import quantity_value
+from .planner import (ASCEND_HOST_VOLUME, HCCN_VOLUME, MODEL_VOLUME, attention_layout, ffn_layout, instance_ports,
+                      operator_mounts, role_configs, rollout_budget, spec_stage_limit, uses_host_network)
+from .policy import UNCHECKED_HOST_ACCESS, ClusterPolicy, HostAccess, under
 from .revision import REVISION_LENGTH, revision_of
 
+log = logging.getLogger(__name__)
+
 PORT_MAX = 65535
-MAX_INDEX_DIGITS = 4  # names are checked for instance indices up to 9999
-_DNS_1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# Instances that may exist at once: replicas plus a surge of at most as many again. Every
+# generated name is checked at the largest index one of them can take.
+MAX_INDEX = 2 * MAX_REPLICAS - 1
+# Pods one deployment may ask for (replicas x pods per instance).
+MAX_DEPLOYMENT_PODS = 8192
+# The raw object: nesting, values visited (aliases of a YAML file count each time they are
+# reached) and string length. The API server takes at most 3 MiB per request.
+MAX_DEPTH = 32
+MAX_NODES = 100_000
+MAX_STRING_BYTES = 256 * 1024
+# What a role's engineArgs, env and podTemplate may add to each of its pods: a pod is one etcd
+# object (at most 1.5 MiB), and the operator's own part is a few KiB.
+MAX_POD_EXTRAS_BYTES = 512 * 1024
+# How much of a field path or message one line of output shows.
+MAX_SHOWN = 300
 
 # Engine flags the operator derives from the spec; setting them by hand would break a world.
 OPERATOR_OWNED_FLAGS = {
@@ -54,18 +75,19 @@ OPERATOR_OWNED_FLAGS = {
 HEAD_ONLY_FLAGS = ("--api-server-count", "-asc")
 
 
+def printable(text: str) -> str:
+    """`text` on one line: control characters escaped, long text cut."""
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return shown if len(shown) <= MAX_SHOWN else shown[:MAX_SHOWN] + "..."
+
+
 @dataclass(frozen=True, order=True)
 class Problem:
     path: str
     message: str
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.message}"
-
-
-def _camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(part[:1].upper() + part[1:] for part in rest)
+        return f"{printable(self.path)}: {printable(self.message)}"
 
 
 def _loc_to_path(prefix: str, loc: tuple[Union[str, int], ...]) -> str:
@@ -73,9 +95,7 @@ def _loc_to_path(prefix: str, loc: tuple[Union[str, int], ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif part.startswith("function-") or part in {"int", "str"}:
-            continue  # union branch / validator markers, not fields
-        else:
+        elif part != "[key]":  # a map key that breaks a rule: its path is the entry's
             path += ("." if path else "") + part
     return path
 
@@ -85,14 +105,57 @@ def _pydantic_problems(err: ValidationError, prefix: str) -> list[Problem]:
     for e in err.errors():
         path = _loc_to_path(prefix, e["loc"])
         if e["type"] == "extra_forbidden":
-            msg = "unknown field (not part of the AFDDeployment API)"
+            msg = "unknown field (not part of the AFDDeployment API; field names are camelCase)"
         elif e["type"] == "missing":
             msg = "required field is missing"
         else:
             msg = e["msg"].removeprefix("Value error, ")
+            if e["loc"] and e["loc"][-1] == "[key]":
+                msg = f"key: {msg}"
         problems.append(Problem(path, msg))
-    # A union (int | percent) reports once per branch: keep one message per path and text.
     return sorted(set(problems), key=problems.index)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def check_shape(obj: Any, root: str) -> list[Problem]:
+    """What JSON and the API server can carry, before any model reads the object: nesting at
+    most MAX_DEPTH, at most MAX_NODES values, string keys, finite numbers in int64, strings
+    without NUL. Iterative, so no input can exhaust the stack."""
+    problems: list[Problem] = []
+    stack: list[tuple[str, Any, int]] = [(root, obj, 0)]
+    visited = 0
+    while stack:
+        path, value, depth = stack.pop()
+        visited += 1
+        if visited > MAX_NODES:
+            return [Problem(root or "<document>", f"more than {MAX_NODES} values (YAML aliases count each time "
+                                                  "they are used); an AFDDeployment is far smaller")]
+        if isinstance(value, (dict, list)) and depth >= MAX_DEPTH:
+            problems.append(Problem(path, f"nested deeper than {MAX_DEPTH} levels"))
+            continue
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    problems.append(Problem(f"{path}.{key!r}", "keys must be strings"))
+                    continue
+                stack.append((f"{path}.{key}" if path else key, item, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, float) and not math.isfinite(value):
+            problems.append(Problem(path, "must be a finite number (JSON has no NaN or infinity)"))
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > kube_rules.INT64_MAX:
+            problems.append(Problem(path, "must fit in 64 bits"))
+        elif isinstance(value, str):
+            if len(value) > MAX_STRING_BYTES:
+                problems.append(Problem(path, f"must be at most {MAX_STRING_BYTES} characters"))
+            elif "\x00" in value:
+                problems.append(Problem(path, "must not contain a NUL character"))
+        elif not (value is None or isinstance(value, (bool, int, float))):
+            problems.append(Problem(path, f"a {type(value).__name__} value is not JSON (quote it to make it a string)"))
+    return sorted(problems)
 
 
 def _check_env(path: str, env: list[EnvVar]) -> list[Problem]:
@@ -105,35 +168,113 @@ def _check_env(path: str, env: list[EnvVar]) -> list[Problem]:
     return problems
 
 
-def _check_resources(path: str, resources: Optional[dict[str, Any]]) -> list[Problem]:
-    """requests and limits as the API server checks a container's: quantities, not negative, no
-    request above its limit. Refused here, not by the API server while it creates an instance's
-    pods one by one (and by the planner, which reads the CPU)."""
+def _spec_field_of_mount(volume: str) -> str:
+    """The spec field that puts one of the operator's volumes into the pods."""
+    if volume.startswith(f"{ASCEND_HOST_VOLUME}-"):
+        return f"spec.ascend.driverHostPaths[{volume.rsplit('-', 1)[1]}]"
+    return {MODEL_VOLUME: "spec.model.volume.mountPath", HCCN_VOLUME: "spec.ascend.mountHccnConf"}.get(volume, "spec")
+
+
+def _check_operator_mounts(spec: AFDDeploymentSpec) -> list[Problem]:
+    """The operator's own mounts at distinct paths: the model's mount path and the Ascend driver
+    paths come from the spec and must not land on /tmp, /dev/shm or one another."""
+    problems, owner = [], {}
+    for volume, path in operator_mounts(spec).items():
+        key = path.rstrip("/") or "/"
+        if key in owner:
+            problems.append(Problem(_spec_field_of_mount(volume), f"'{path}' is already mounted by the operator "
+                                                                   f"(volume '{owner[key]}')"))
+        owner.setdefault(key, volume)
+    return problems
+
+
+def _check_pod_template(path: str, spec: AFDDeploymentSpec, overrides: PodTemplateOverrides) -> list[Problem]:
+    """The user's volumes and mounts beside the operator's, as the API server checks a pod:
+    unique volume names, mounts of existing volumes at distinct paths; device resources are
+    the operator's."""
     problems = []
-    # kind -> resource -> (the quantity as written, its value)
-    amounts: dict[str, dict[str, tuple[Union[str, int, float], Decimal]]] = {}
-    for kind in ("requests", "limits"):
-        given = (resources or {}).get(kind)
-        if given is None:
-            continue
-        if not isinstance(given, dict):
-            problems.append(Problem(f"{path}.{kind}", "must be a map of resource name to quantity"))
-            continue
-        for resource, value in given.items():
-            field = f"{path}.{kind}.{resource}"
-            try:
-                amount = parse_quantity(value)
-            except ValueError:
-                problems.append(Problem(field, f"'{value}' is not a Kubernetes quantity (e.g. 500m, 2, 4Gi)"))
-                continue
-            if amount < 0:
-                problems.append(Problem(field, f"must not be negative (got {value})"))
-            amounts.setdefault(kind, {})[resource] = (value, amount)
-    for resource, (value, amount) in amounts.get("requests", {}).items():
-        limit = amounts.get("limits", {}).get(resource)
-        if limit is not None and amount > limit[1]:
-            problems.append(Problem(f"{path}.requests.{resource}", f"must be <= limits.{resource} ({limit[0]}), "
-                                                                     f"got {value}"))
+    ours = operator_mounts(spec)
+    names: dict[str, int] = {}
+    for i, volume in enumerate(overrides.volumes):
+        if volume.name in ours:
+            problems.append(Problem(f"{path}.volumes[{i}].name", f"'{volume.name}' is a volume of the operator"))
+        elif volume.name in names:
+            problems.append(Problem(f"{path}.volumes[{i}].name", f"duplicate of volumes[{names[volume.name]}]"))
+        names.setdefault(volume.name, i)
+    paths = {mount_path: f"the operator's volume '{name}'" for name, mount_path in ours.items()}
+    for i, mount in enumerate(overrides.volume_mounts):
+        where = f"{path}.volumeMounts[{i}]"
+        if mount.name not in names and mount.name not in ours:
+            problems.append(Problem(f"{where}.name", f"'{mount.name}' is not a volume of the pod"))
+        if mount.mount_path.rstrip("/") in {p.rstrip("/") for p in paths}:
+            other = next(v for p, v in paths.items() if p.rstrip("/") == mount.mount_path.rstrip("/"))
+            problems.append(Problem(f"{where}.mountPath", f"'{mount.mount_path}' is already used by {other}"))
+        paths.setdefault(mount.mount_path, f"volumeMounts[{i}]")
+        volume = overrides.volumes[names[mount.name]] if mount.name in names else None
+        if volume is not None and volume.host_path is not None and not mount.read_only:
+            problems.append(Problem(f"{where}.readOnly", "must be true: host paths are mounted read-only"))
+    return problems + _check_resources(f"{path}.resources", spec, overrides.resources)
+
+
+def _check_resources(path: str, spec: AFDDeploymentSpec, resources: ResourceRequirements) -> list[Problem]:
+    """The API server's rules for a container's resources: no request above its limit; extended
+    resources are whole numbers, never overcommitted (request == limit, limit set); the device
+    resource is the operator's."""
+    problems = []
+    for name, request in resources.requests.items():
+        limit = resources.limits.get(name)
+        if limit is not None and quantity_value(request) > quantity_value(limit):
+            problems.append(Problem(f"{path}.requests.{name}", f"must be <= limits.{name} ({limit}), got {request}"))
+    for kind, amounts in (("requests", resources.requests), ("limits", resources.limits)):
+        for name, amount in amounts.items():
+            where = f"{path}.{kind}.{name}"
+            if spec.platform == "ascend" and name == spec.ascend.resource_name:
+                problems.append(Problem(where, "is set by the operator from ascend.resourceName and the pod's ranks"))
+            elif name not in RESOURCE_NAMES and quantity_value(amount) % 1:
+                problems.append(Problem(where, "must be a whole number (an extended resource)"))
+            elif name not in RESOURCE_NAMES and kind == "requests" and (
+                    name not in resources.limits or quantity_value(amount) != quantity_value(resources.limits[name])):
+                problems.append(Problem(where, f"must equal limits.{name}: an extended resource is never "
+                                               "overcommitted"))
+    return problems
+
+
+def _check_host_access(spec: AFDDeploymentSpec, access: HostAccess) -> list[Problem]:
+    """What the pods would use of their nodes, against what the cluster admin allows."""
+    problems = []
+
+    def path_allowed(field: str, host_path: str, prefixes: tuple[str, ...], value: str) -> None:
+        if not any(under(host_path, prefix) for prefix in prefixes):
+            allowed = ", ".join(prefixes) if prefixes else "none"
+            problems.append(Problem(field, f"host path '{host_path}' is not allowed in this cluster (chart value "
+                                           f"{value}: {allowed})"))
+
+    volume = spec.model.volume
+    if volume is not None and volume.host_path is not None:
+        path_allowed("spec.model.volume.hostPath", volume.host_path, access.host_path_prefixes,
+                     "hostAccess.hostPathPrefixes")
+    for role in ("attention", "ffn"):
+        overrides = getattr(spec, role).pod_template
+        for i, user_volume in enumerate(overrides.volumes):
+            if user_volume.host_path is not None:
+                path_allowed(f"spec.{role}.podTemplate.volumes[{i}].hostPath.path", user_volume.host_path.path,
+                             access.host_path_prefixes, "hostAccess.hostPathPrefixes")
+        account = overrides.service_account_name
+        if account is not None and account != "default" and account not in access.service_accounts:
+            allowed = ", ".join(access.service_accounts) or "none besides 'default'"
+            problems.append(Problem(f"spec.{role}.podTemplate.serviceAccountName",
+                                    f"'{account}' is not allowed in this cluster (chart value "
+                                    f"hostAccess.serviceAccounts: {allowed})"))
+    if spec.platform == "ascend":
+        for i, driver_path in enumerate(spec.ascend.driver_host_paths):
+            path_allowed(f"spec.ascend.driverHostPaths[{i}]", driver_path, access.ascend_host_paths,
+                         "hostAccess.ascendHostPaths")
+        if spec.ascend.mount_hccn_conf:
+            path_allowed("spec.ascend.mountHccnConf", "/etc/hccn.conf", access.ascend_host_paths,
+                         "hostAccess.ascendHostPaths")
+    if uses_host_network(spec) and not access.host_network:
+        problems.append(Problem("spec.ascend.hostNetwork", "host networking is not allowed in this cluster (chart "
+                                                           "value hostAccess.hostNetwork: false); set it to false"))
     return problems
 
 
@@ -173,6 +314,13 @@ def _check_layout(spec: AFDDeploymentSpec) -> list[Problem]:
     problems = []
     att = spec.attention
     att_ranks = att.data_parallel * att.tensor_parallel
+    if att_ranks > MAX_ROLE_RANKS:
+        return [Problem("spec.attention.dataParallel", f"dataParallel x tensorParallel ({att_ranks}) must be at most "
+                                                       f"{MAX_ROLE_RANKS} Attention ranks per instance")]
+    pods = spec.replicas * (attention_layout(spec).pods + ffn_layout(spec).pods)
+    if pods > MAX_DEPLOYMENT_PODS:
+        problems.append(Problem("spec.replicas", f"replicas x pods per instance ({pods}) must be at most "
+                                                 f"{MAX_DEPLOYMENT_PODS} pods"))
     if att_ranks > att.devices_per_pod:
         if att.devices_per_pod % att.tensor_parallel:
             problems.append(Problem(
@@ -211,49 +359,51 @@ _PORT_FIELDS = {
 
 
 def _check_ports(spec: AFDDeploymentSpec, max_index: int) -> list[Problem]:
-    """Every port a pod opens is distinct; with host networking, instances that may share a
-    node must not collide either, and shifted ports stay <= 65535."""
+    """Every port a pod opens is distinct; with host networking, instance i uses every port +
+    i * stride, so instances that may share a node must not collide either, and shifted ports
+    stay <= 65535. Port arithmetic, not a loop over the instances."""
     host_net = uses_host_network(spec)
+    stride = spec.ascend.host_port_stride if host_net else 0
+    last = max_index if host_net else 0
+    base = instance_ports(spec, 0)
+    ports = {path: getattr(base, kind) for kind, path in _PORT_FIELDS.items()}
     problems: list[Problem] = []
-    reported: set[str] = set()
-    owner: dict[int, tuple[str, int]] = {}
-    for index in range(max_index + 1 if host_net else 1):
-        ports = instance_ports(spec, index)
-        used = {"api": ports.api, "dp_rpc": ports.dp_rpc, "connector": ports.connector,
-                "ffn_metrics": ports.ffn_metrics, "ffn_health": ports.ffn_health}
-        for kind, port in used.items():
-            path = _PORT_FIELDS[kind]
+    for path, port in ports.items():
+        if port + last * stride > PORT_MAX:
+            index = (PORT_MAX - port) // stride + 1
+            problems.append(Problem(path, f"instance {index} would use host port {port + index * stride}, above "
+                                          f"{PORT_MAX}; lower the port or ascend.hostPortStride"))
+    reported = {p.path for p in problems}
+    fields = list(ports)
+    for later, path in enumerate(fields):
+        for other in fields[:later] + fields[later + 1:]:
             if path in reported:
-                continue
-            if port > PORT_MAX:
-                problems.append(Problem(
-                    path, f"instance {index} would use host port {port}, above {PORT_MAX}; "
-                    "lower the port or ascend.hostPortStride",
-                ))
+                break
+            # path's port at instance j meets other's at instance i when port + j*s == port' + i*s.
+            gap = ports[other] - ports[path]
+            if gap == 0 and fields.index(other) < later:
+                problems.append(Problem(path, f"port {ports[path]} collides with {other}; ports must be distinct"))
                 reported.add(path)
-            elif port in owner:
-                other, other_index = owner[port]
-                where = f" of instance {other_index} (instance {index})" if host_net else ""
-                problems.append(Problem(path, f"port {port} collides with {other}{where}; ports must be distinct"))
+            elif gap > 0 and stride and gap % stride == 0 and gap // stride <= last:
+                index = gap // stride
+                problems.append(Problem(path, f"port {ports[other]} collides with {other} of instance 0 (instance "
+                                              f"{index}); ports must be distinct"))
                 reported.add(path)
-            else:
-                owner[port] = (path, index)
     return problems
 
 
 def _check_names(name: str, spec: AFDDeploymentSpec) -> list[Problem]:
-    if not naming.is_dns_1035_label(name):
-        return [Problem(
-            "metadata.name",
-            "must be a DNS-1035 label (lowercase letters, digits and '-', starting with a letter)",
-        )]
+    problem = kube_rules.dns_1035_label(name)
+    if problem:
+        return [Problem("metadata.name", problem)]
     longest_ordinal = max(attention_layout(spec).pods, ffn_layout(spec).pods) - 1
-    longest = naming.pod_name(name, "x" * REVISION_LENGTH, 10 ** MAX_INDEX_DIGITS - 1, "attention", longest_ordinal)
+    longest = naming.pod_name(name, "x" * REVISION_LENGTH, MAX_INDEX, "attention", longest_ordinal)
     if len(longest) > naming.DNS_LABEL_MAX:
         allowed = len(name) - (len(longest) - naming.DNS_LABEL_MAX)
         return [Problem(
             "metadata.name",
-            f"must be at most {allowed} characters: pod names such as '{longest}' are DNS labels "
+            f"must be at most {allowed} characters: pod names such as '{longest}' (instance {MAX_INDEX}, the "
+            f"largest index {MAX_REPLICAS} replicas and their surge can take) are DNS labels "
             f"(at most {naming.DNS_LABEL_MAX} characters)",
         )]
     return []
@@ -280,12 +430,13 @@ def _spec_path(block_path: str) -> str:
 
 
 def _check_plugin_config(spec: AFDDeploymentSpec, name: str, namespace: str, max_index: int) -> list[Problem]:
-    """The configs the planner gives the pods of every instance that may exist at once
-    (ports and host differ per instance). It builds them with the plugin's own parser
-    (`AFDConfig.build`), and the rendered block is exactly what that parser reads back in
-    the pod, so a spec refused here is one the pods would refuse, and no other."""
+    """The configs the planner gives the pods (the plugin's own parser builds them, and the
+    rendered block is exactly what that parser reads back in the pod, so a spec refused here is
+    one the pods would refuse, and no other). Instances differ only in the head's host name and
+    the ports, both largest at the last index: the first and the last instance that may exist
+    at once stand for all of them."""
     revision = revision_of(spec)
-    for index in range(max_index + 1):
+    for index in sorted({0, max_index}):
         try:
             role_configs(spec, name, namespace, revision, index)
         except AFDConfigError as err:
@@ -293,8 +444,10 @@ def _check_plugin_config(spec: AFDDeploymentSpec, name: str, namespace: str, max
     return []
 
 
-def check_spec(spec: AFDDeploymentSpec, name: str, namespace: str = "default") -> list[Problem]:
-    """Cross-field rules of a schema-valid spec, then the plugin's verdict on its pods."""
+def check_spec(spec: AFDDeploymentSpec, name: str, namespace: str = "default",
+               policy: ClusterPolicy = UNCHECKED_HOST_ACCESS) -> list[Problem]:
+    """Cross-field rules of a schema-valid spec, the cluster's host-access policy (the operator
+    and its webhook pass the one they run with), then the plugin's verdict on its pods."""
     problems = _check_names(name, spec)
     problems += _check_layout(spec)
     budget = rollout_budget(spec)
@@ -307,10 +460,17 @@ def check_spec(spec: AFDDeploymentSpec, name: str, namespace: str = "default") -
     problems += _check_ports(spec, max_index)
     problems += _check_engine_args(spec)
     problems += _check_stages(spec)
-    problems += _check_env("spec.attention.env", spec.attention.env)
-    problems += _check_env("spec.ffn.env", spec.ffn.env)
-    problems += _check_resources("spec.attention.podTemplate.resources", spec.attention.pod_template.resources)
-    problems += _check_resources("spec.ffn.podTemplate.resources", spec.ffn.pod_template.resources)
+    problems += _check_operator_mounts(spec)
+    for role in ("attention", "ffn"):
+        role_spec = getattr(spec, role)
+        extras = len(role_spec.model_dump_json(include={"engine_args", "env", "pod_template"}))
+        if extras > MAX_POD_EXTRAS_BYTES:
+            problems.append(Problem(f"spec.{role}", f"engineArgs, env and podTemplate add {extras} bytes to each pod, "
+                                                    f"more than {MAX_POD_EXTRAS_BYTES} (a pod is one etcd object)"))
+        problems += _check_env(f"spec.{role}.env", role_spec.env)
+        problems += _check_pod_template(f"spec.{role}.podTemplate", spec, role_spec.pod_template)
+    if policy.host_access is not None:
+        problems += _check_host_access(spec, policy.host_access)
     if spec.recovery.max_backoff_seconds < spec.recovery.backoff_seconds:
         problems.append(Problem(
             "spec.recovery.maxBackoffSeconds",
@@ -319,45 +479,63 @@ def check_spec(spec: AFDDeploymentSpec, name: str, namespace: str = "default") -
     gang = spec.scheduling.gang
     if gang.queue is not None and gang.provider != "volcano":
         problems.append(Problem("spec.scheduling.gang.queue", "is only used with gang.provider 'volcano'"))
-    for i, secret in enumerate(spec.image_pull_secrets):
-        if not _DNS_1123_SUBDOMAIN.match(secret) or len(secret) > 253:
-            problems.append(Problem(f"spec.imagePullSecrets[{i}]", f"'{secret}' is not a valid Secret name"))
-    if spec.model.volume is not None:
-        vol = spec.model.volume
-        if not vol.mount_path.startswith("/"):
-            problems.append(Problem("spec.model.volume.mountPath", "must be an absolute path"))
-        elif not (spec.model.path + "/").startswith(vol.mount_path.rstrip("/") + "/"):
-            problems.append(Problem(
-                "spec.model.path", f"must be inside model.volume.mountPath ({vol.mount_path})"
-            ))
+    volume = spec.model.volume
+    if volume is not None and not (spec.model.path + "/").startswith(volume.mount_path.rstrip("/") + "/"):
+        problems.append(Problem("spec.model.path", f"must be inside model.volume.mountPath ({volume.mount_path})"))
     reported = {p.path for p in problems}
     # A port shifted past 65535 is refused by the plugin too: one report per field is enough.
     problems += [p for p in _check_plugin_config(spec, name, namespace, max_index) if p.path not in reported]
     return problems
 
 
-def validate_spec(data: Any, name: str, prefix: str = "spec",
-                  namespace: str = "default") -> tuple[Optional[AFDDeploymentSpec], list[Problem]]:
+def _answer(root: str, check: Any) -> tuple[Any, list[Problem]]:
+    """`check()`'s answer, or the one line a failure of the validator itself gives: whatever
+    the input, the caller gets a verdict, never an exception (the fuzz test holds it to that)."""
+    try:
+        return check()
+    except Exception as err:  # noqa: BLE001 - a bug in a rule must not become a traceback or a stuck reconcile
+        log.exception("validating %s failed", root)
+        return None, [Problem(root, f"could not be validated ({type(err).__name__}: {err})")]
+
+
+def validate_spec(data: Any, name: str, prefix: str = "spec", namespace: str = "default",
+                  policy: ClusterPolicy = UNCHECKED_HOST_ACCESS) -> tuple[Optional[AFDDeploymentSpec], list[Problem]]:
     """Parse and check a raw spec mapping. Returns the spec only when there is no problem.
     The namespace only appears in the pods' DNS names, which the plugin checks as a host."""
-    try:
-        spec = AFDDeploymentSpec.model_validate(data)
-    except ValidationError as err:
-        problems = _pydantic_problems(err, prefix)
-        if not naming.is_dns_1035_label(name):
-            problems.insert(0, Problem("metadata.name", "must be a DNS-1035 label"))
-        return None, problems
-    problems = check_spec(spec, name, namespace)
-    return (None, problems) if problems else (spec, [])
+
+    def check() -> tuple[Optional[AFDDeploymentSpec], list[Problem]]:
+        problems = check_shape(data, prefix)
+        if problems:
+            return None, problems
+        try:
+            spec = AFDDeploymentSpec.model_validate(data)
+        except ValidationError as err:
+            problems = _pydantic_problems(err, prefix)
+            name_problem = kube_rules.dns_1035_label(name)
+            if name_problem:
+                problems.insert(0, Problem("metadata.name", name_problem))
+            return None, problems
+        problems = check_spec(spec, name, namespace, policy)
+        return (None, problems) if problems else (spec, [])
+
+    return _answer(prefix, check)
 
 
-def validate_object(obj: Any) -> tuple[Optional[AFDDeployment], list[Problem]]:
+def validate_object(obj: Any, policy: ClusterPolicy = UNCHECKED_HOST_ACCESS) -> tuple[Optional[AFDDeployment],
+                                                                                        list[Problem]]:
     """Parse and check a whole AFDDeployment object (as `kubectl apply` would send it)."""
-    if not isinstance(obj, dict):
-        return None, [Problem("<document>", "must be a mapping (an AFDDeployment object)")]
-    try:
-        parsed = AFDDeployment.model_validate(obj)
-    except ValidationError as err:
-        return None, _pydantic_problems(err, "")
-    problems = check_spec(parsed.spec, parsed.metadata.name, parsed.metadata.namespace)
-    return (None, problems) if problems else (parsed, [])
+
+    def check() -> tuple[Optional[AFDDeployment], list[Problem]]:
+        if not isinstance(obj, dict):
+            return None, [Problem("<document>", "must be a mapping (an AFDDeployment object)")]
+        problems = check_shape(obj, "")
+        if problems:
+            return None, problems
+        try:
+            parsed = AFDDeployment.model_validate(obj)
+        except ValidationError as err:
+            return None, _pydantic_problems(err, "")
+        problems = check_spec(parsed.spec, parsed.metadata.name, parsed.metadata.namespace, policy)
+        return (None, problems) if problems else (parsed, [])
+
+    return _answer("<document>", check)

@@ -40,7 +40,7 @@ from afd_devcluster.realnode import RealNode
 from afd_devcluster.realnode.images import RUNTIME_CPU_IMAGE, retag
 from afd_devcluster.realnode.prometheus_sd import TargetFeed, scrape_jobs
 from afd_devcluster.realnode.scenario import (DEPLOYMENT_LABEL, RELEASE_NAMESPACE, afd_pods, apply, complete,
-                                              delete_afd, get_afd, is_ready, pods, wait_serving,
+                                              delete_afd, get_afd, is_ready, models_dir, pods, wait_serving,
                                               write_tiny_checkpoint)
 from afd_devcluster.tools import wait_for
 
@@ -76,7 +76,7 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "afd-operator" / "d
 @pytest.fixture(scope="module")
 def checkpoint(real_node: RealNode) -> Path:
     """The tiny DeepSeek-V2 checkpoint the vLLM tests use, on a host folder pods mount by hostPath."""
-    host_dir = real_node.state / "models"
+    host_dir = models_dir(real_node)
     write_tiny_checkpoint(host_dir / MODEL_DIR)
     return host_dir
 
@@ -116,7 +116,7 @@ def plain_vllm(real_node: RealNode, project_images: dict, checkpoint: Path, name
                                "jsonpath={.status.podIP}").stdout.strip()
         return complete(ip, API_PORT, NAME)
     except Exception:
-        print(real_node.kubectl("logs", "-n", namespace, "plain-vllm", "--tail=60", check=False).stdout)
+        print(real_node.kubectl("logs", "-n", namespace, "plain-vllm", "--tail=400", check=False).stdout)
         raise
     finally:
         real_node.kubectl("delete", "-n", namespace, "pod", "plain-vllm", "--timeout=120s", check=False)
@@ -164,6 +164,40 @@ def test_pods_run_the_planned_topology(served: dict) -> None:
         assert status["ready"] and status["restartCount"] == 0, status
     # The spec leaves async.stages unset: both roles run the default on platform cpu.
     assert [afd_block_of(pod)["num_stages"] for pod in served["pods"]] == [2, 2, 2]
+
+
+def instance_guard(real_node: RealNode, kind: str, instance: str) -> dict:
+    return json.loads(real_node.kubectl("get", kind, instance, "-n", NAMESPACE, "-o", "json").stdout)
+
+
+def test_pods_run_restricted_behind_their_instances_guards(real_node: RealNode, served: dict) -> None:
+    """The operator's defaults on platform cpu, as kubelet ran them: the image's unprivileged
+    user on a read-only root with no capability and no service-account token; a PDB the
+    disruption controller counts in pods of the instance; a NetworkPolicy (stored: the bridge
+    CNI here enforces none, docs/testbed.md)."""
+    pods = afd_pods(real_node, NAMESPACE, NAME)
+    for pod in pods:
+        spec, (container,) = pod["spec"], pod["spec"]["containers"]
+        assert spec["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+        assert container["securityContext"] == {"allowPrivilegeEscalation": False, "privileged": False,
+                                                "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True}
+        assert spec["automountServiceAccountToken"] is False
+        assert not any("serviceaccount" in m["mountPath"] for m in container["volumeMounts"])
+        probe = ("import os; print(os.getuid(), os.access('/', os.W_OK), os.access('/tmp', os.W_OK), "
+                 "open('/proc/self/status').read().split('CapEff:')[1].split()[0])")
+        seen = real_node.kubectl("exec", "-n", NAMESPACE, pod["metadata"]["name"], "--", "python3", "-c",
+                                 probe).stdout.split()
+        assert seen == ["65532", "False", "True", "0000000000000000"], (pod["metadata"]["name"], seen)
+    (instance,) = {p["metadata"]["labels"][LABEL + "instance"] for p in pods}
+    budget = wait_for(lambda: (b := instance_guard(real_node, "pdb", instance)).get("status", {}).get(
+        "expectedPods") == len(pods) and b, "the disruption controller counting the instance's pods", 60, interval=1)
+    assert budget["spec"]["minAvailable"] == len(pods) - 1 and budget["status"]["disruptionsAllowed"] == 1, budget
+    policy = instance_guard(real_node, "networkpolicy", instance)
+    own = {"matchLabels": {LABEL + "instance": instance}}
+    assert policy["spec"]["podSelector"] == own and policy["spec"]["ingress"][0] == {"from": [{"podSelector": own}]}
+    isolated = next(c for c in get_afd(real_node, NAMESPACE, NAME)["status"]["conditions"]
+                    if c["type"] == "NetworkIsolated")
+    assert isolated["status"] == "True", isolated
 
 
 def test_completion_through_the_service_equals_plain_vllm(real_node: RealNode, served: dict,
@@ -454,6 +488,13 @@ def survive(real_node: RealNode, fault: str, inject, host: str, port: int) -> Ou
     return Outage(fault, load.ok, list(load.failures), recovered_after, list(watch.failed_containers))
 
 
+def evict(real_node: RealNode, pod: str) -> subprocess.CompletedProcess:
+    """An eviction through the API (policy/v1beta1 on Kubernetes 1.20), as `kubectl drain` sends it."""
+    eviction = {"apiVersion": "policy/v1beta1", "kind": "Eviction", "metadata": {"name": pod, "namespace": NAMESPACE}}
+    return real_node.kubectl("create", "--raw", f"/api/v1/namespaces/{NAMESPACE}/pods/{pod}/eviction", "-f", "-",
+                             input_text=json.dumps(eviction), check=False)
+
+
 def of_role(real_node: RealNode, role: str) -> list[dict]:
     return [p for p in afd_pods(real_node, NAMESPACE, NAME) if p["metadata"]["labels"][LABEL + "role"] == role]
 
@@ -470,9 +511,22 @@ def test_faults_recreate_the_instance_and_serving_returns(real_node: RealNode, s
         pod = of_role(real_node, "attention")[-1]["metadata"]["name"]
         real_node.kubectl("delete", "pod", "-n", NAMESPACE, pod, "--wait=false")
 
+    evictions: list[subprocess.CompletedProcess] = []
+
+    def evict_two_pods_of_the_instance() -> None:
+        """What a node drain asks: the budget lets one pod of the instance go, not a second."""
+        first, second = [p["metadata"] for p in afd_pods(real_node, NAMESPACE, NAME)][:2]
+        wait_for(lambda: instance_guard(real_node, "pdb", first["labels"][LABEL + "instance"]).get("status", {}).get(
+            "disruptionsAllowed") == 1, "the budget allowing one disruption", 60, interval=1)
+        evictions.extend(evict(real_node, pod["name"]) for pod in (first, second))
+
     outages = [survive(real_node, "FFN container killed", kill_an_ffn_container, host, port),
-               survive(real_node, "Attention pod deleted", delete_an_attention_pod, host, port)]
+               survive(real_node, "Attention pod deleted", delete_an_attention_pod, host, port),
+               survive(real_node, "two pods of the instance evicted", evict_two_pods_of_the_instance, host, port)]
     print("\n".join(outage.report() for outage in outages))
+    allowed, refused = evictions
+    assert allowed.returncode == 0, allowed.stderr
+    assert refused.returncode != 0 and "disruption budget" in refused.stderr, refused.stderr
     for outage in outages:
         # One instance: the fault is an outage. Each request in it failed visibly (an error
         # status or a refused connection) rather than hanging past the client's timeout.

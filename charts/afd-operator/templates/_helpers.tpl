@@ -16,6 +16,15 @@
 {{- printf "%s-webhook" (include "afd-operator.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{- define "afd-operator.policyName" -}}
+{{- printf "%s-policy" (include "afd-operator.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* What AFDDeployments may use of the nodes and how their pods are isolated: the operator's --policy file. */}}
+{{- define "afd-operator.policy" -}}
+{{- toYaml (dict "hostAccess" .Values.hostAccess "networkPolicy" .Values.networkPolicy) -}}
+{{- end -}}
+
 {{- define "afd-operator.webhookSecretName" -}}
 {{- printf "%s-webhook-tls" (include "afd-operator.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
@@ -41,8 +50,10 @@ operator/afd_operator/writer.py and handlers/):
 - Pods, Services, ConfigMaps: watched for kopf's indexes; pods and services are created,
   patched and deleted; revision ConfigMaps are immutable (create, delete).
 - Events: posted by the reconciler and by kopf.
-- PodDisruptionBudgets, PodMonitors, Volcano PodGroups: read to avoid needless writes,
-  then created, patched (not PodGroups) and deleted.
+- PodDisruptionBudgets, NetworkPolicies (one of each per instance): watched for kopf's
+  indexes, created, patched and deleted.
+- PodMonitors, Volcano PodGroups: read to avoid needless writes, then created, patched (not
+  PodGroups) and deleted.
 */}}
 {{- define "afd-operator.namespacedRules" -}}
 - apiGroups: [afd.inference.dev]
@@ -65,7 +76,10 @@ operator/afd_operator/writer.py and handlers/):
   verbs: [list, watch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, create, patch, delete]
+  verbs: [list, watch, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [list, watch, create, patch, delete]
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]
   verbs: [get, create, patch, delete]

@@ -18,8 +18,9 @@ import yaml
 from afd_devcluster.demo import say, show
 from afd_devcluster.realnode.images import ensure_project_images
 from afd_devcluster.realnode.node import RealNode
-from afd_devcluster.realnode.scenario import (PROMPT, apply, complete, delete_afd, install_operator, node_helm,
-                                              uninstall_operator, wait_serving, with_hostpath, write_tiny_checkpoint)
+from afd_devcluster.realnode.scenario import (PROMPT, apply, complete, delete_afd, install_operator, models_dir,
+                                              node_helm, uninstall_operator, wait_serving, with_hostpath,
+                                              write_tiny_checkpoint)
 
 READY_TIMEOUT_SECONDS = 900
 
@@ -46,7 +47,7 @@ def run(node: RealNode, example: Path, namespace: str) -> None:
         manifest = yaml.safe_load(example.read_text())
         model = manifest["spec"]["model"]
         relative = PurePosixPath(model["path"]).relative_to(model["volume"]["mountPath"])
-        host_models = node.state / "models"
+        host_models = models_dir(node)
         say(f"a tiny checkpoint at {host_models / relative} (the example's hostPath points there)")
         write_tiny_checkpoint(host_models / relative)
         manifest = with_hostpath(manifest, host_models)

@@ -25,14 +25,20 @@ def node_helm(node: RealNode, home: Path) -> Helm:
     return Helm(REPO_ROOT, "4", home, kubeconfig=node.kubeconfig)
 
 
+def models_dir(node: RealNode) -> Path:
+    """The host folder of the checkpoints pods mount by hostPath: the one the chart allows."""
+    return node.state / "models"
+
+
 def install_operator(node: RealNode, helm: Helm) -> None:
-    """`helm install` of the chart with the operator image built from images/operator, then
-    wait until the API server reaches the webhook: `--wait` ends when the pod is Ready, a
-    moment before kube-proxy routes the webhook Service to it, and until then every
-    AFDDeployment write is refused (failurePolicy Fail)."""
+    """`helm install` of the chart with the operator image built from images/operator, host
+    paths allowed under models_dir only, then wait until the API server reaches the webhook:
+    `--wait` ends when the pod is Ready, a moment before kube-proxy routes the webhook Service
+    to it, and until then every AFDDeployment write is refused (failurePolicy Fail)."""
     repository, tag = OPERATOR_IMAGE.rsplit(":", 1)
     helm("install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE, "--create-namespace",
-         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}", "--wait", "--timeout", "5m")
+         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+         "--set", f"hostAccess.hostPathPrefixes={{{models_dir(node)}}}", "--wait", "--timeout", "5m")
     invalid = {"apiVersion": "afd.inference.dev/v1alpha1", "kind": "AFDDeployment",
                "metadata": {"name": "webhook-probe", "namespace": RELEASE_NAMESPACE},
                "spec": {"image": "probe:1", "platform": "cpu", "model": {"name": "m", "path": "/m", "routedExperts": 8},

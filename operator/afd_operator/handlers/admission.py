@@ -1,19 +1,25 @@
-"""Validating admission: `validate_object` (schema, cross-field rules, and the plugin's own
-parser on every pod's afd block), every problem listed with its field path (registered by
-main.register when a webhook server is configured)."""
+"""Validating admission: `validate_object` (schema, cross-field rules, the cluster's
+host-access policy, and the plugin's own parser on every pod's afd block), every problem listed
+with its field path (registered by main.register when a webhook server is configured)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import kopf
 
 from ..validation import validate_object
 
 
-def validate_afddeployment(body: kopf.Body, **_: Any) -> None:
+def validate_afddeployment(body: kopf.Body, memo: kopf.Memo, operation: Optional[str] = None,
+                           old: Optional[kopf.Body] = None, **_: Any) -> None:
+    spec = dict(body.get("spec") or {})
+    if operation not in ("CREATE", "UPDATE") or (old is not None and dict(old.get("spec") or {}) == spec):
+        # A deletion, or metadata only (finalizers, annotations, labels): an object stored under
+        # older or laxer rules must stay deletable, and its finalizer removable.
+        return
     obj = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
-           "metadata": dict(body.metadata), "spec": dict(body.spec)}
-    _, problems = validate_object(obj)
+           "metadata": dict(body.metadata), "spec": spec}
+    _, problems = validate_object(obj, memo.config.policy)
     if problems:
         raise kopf.AdmissionError("invalid AFDDeployment:\n" + "\n".join(str(p) for p in problems), code=422)

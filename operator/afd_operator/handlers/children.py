@@ -28,6 +28,21 @@ async def afd_configmaps(namespace: str, labels: dict, body: Any, **_: Any) -> A
     return {(namespace, labels[naming.LABEL_DEPLOYMENT]): summarize_object("ConfigMap", body)}
 
 
+# No version: the cluster's preferred one (policy/v1 from Kubernetes 1.21, v1beta1 before).
+DISRUPTION_BUDGETS = ("policy", "poddisruptionbudgets")
+NETWORK_POLICIES = ("networking.k8s.io", "networkpolicies")
+
+
+@kopf.index(*DISRUPTION_BUDGETS, labels=OWNED)
+async def afd_disruption_budgets(namespace: str, labels: dict, body: Any, **_: Any) -> Any:
+    return {(namespace, labels[naming.LABEL_DEPLOYMENT]): summarize_object("PodDisruptionBudget", body)}
+
+
+@kopf.index(*NETWORK_POLICIES, labels=OWNED)
+async def afd_network_policies(namespace: str, labels: dict, body: Any, **_: Any) -> Any:
+    return {(namespace, labels[naming.LABEL_DEPLOYMENT]): summarize_object("NetworkPolicy", body)}
+
+
 # The EndpointSlice controller copies a Service's labels onto its slices, so OWNED finds them.
 # No version: the cluster's preferred one (v1 since Kubernetes 1.21, v1beta1 before; both
 # carry endpoints[].targetRef).
@@ -48,7 +63,9 @@ async def wake_on_pod_change(namespace: str, labels: dict, memo: kopf.Memo, **_:
 
 
 @kopf.on.event("services", labels=OWNED)
-async def wake_on_service_change(namespace: str, labels: dict, memo: kopf.Memo, **_: Any) -> None:
+@kopf.on.event(*DISRUPTION_BUDGETS, labels=OWNED)
+@kopf.on.event(*NETWORK_POLICIES, labels=OWNED)
+async def wake_on_owned_object_change(namespace: str, labels: dict, memo: kopf.Memo, **_: Any) -> None:
     memo.wakeups.wake(namespace, labels[naming.LABEL_DEPLOYMENT])
 
 

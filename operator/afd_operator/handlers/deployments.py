@@ -18,14 +18,18 @@ log = logging.getLogger(__name__)
 ERROR_RETRY_SECONDS = 2.0
 
 
-def _observed(namespace: str, name: str, afd_pods: kopf.Index, afd_services: kopf.Index,
-              afd_configmaps: kopf.Index, afd_routed_pods: kopf.Index) -> Observed:
+def _observed(namespace: str, name: str, indexes: dict[str, Any]) -> Observed:
+    """The deployment's children in kopf's indexes (the handlers' keyword arguments)."""
     key = (namespace, name)
     return Observed(
-        pods=tuple(afd_pods.get(key, ())),
-        objects=tuple(afd_services.get(key, ())) + tuple(afd_configmaps.get(key, ())),
-        routed=frozenset().union(*afd_routed_pods.get(key, ())),
+        pods=tuple(indexes["afd_pods"].get(key, ())),
+        objects=tuple(obj for index in OBJECT_INDEXES for obj in indexes[index].get(key, ())),
+        routed=frozenset().union(*indexes["afd_routed_pods"].get(key, ())),
     )
+
+
+# The kopf indexes (handlers/children.py) of the owned objects the managers diff against.
+OBJECT_INDEXES = ("afd_services", "afd_configmaps", "afd_disruption_budgets", "afd_network_policies")
 
 
 def _snapshot(body: kopf.Body) -> dict[str, Any]:
@@ -49,16 +53,14 @@ async def wake_on_change(namespace: str, name: str, memo: kopf.Memo, **_: Any) -
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
 async def reconcile_loop(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
-                         afd_pods: kopf.Index, afd_services: kopf.Index, afd_configmaps: kopf.Index,
-                         afd_routed_pods: kopf.Index, **_: Any) -> None:
+                         **kwargs: Any) -> None:
     wake = memo.wakeups.event(namespace, name)
     while not stopped and not body.metadata.get("deletionTimestamp"):
         wake.clear()
         delay = memo.resync_seconds
         try:
             async with memo.wakeups.lock(namespace, name):
-                result = await _reconcile(memo, body, _observed(namespace, name, afd_pods, afd_services,
-                                                                afd_configmaps, afd_routed_pods))
+                result = await _reconcile(memo, body, _observed(namespace, name, kwargs))
             if result.next_wakeup is not None:
                 delay = min(delay, max(result.next_wakeup - time.time(), 0.05))
         except Exception:
@@ -68,12 +70,9 @@ async def reconcile_loop(stopped: kopf.DaemonStopped, body: kopf.Body, namespace
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
-async def tear_down(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, afd_pods: kopf.Index,
-                    afd_services: kopf.Index, afd_configmaps: kopf.Index, afd_routed_pods: kopf.Index,
-                    **_: Any) -> None:
+async def tear_down(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
     async with memo.wakeups.lock(namespace, name):
-        result = await _reconcile(memo, body, _observed(namespace, name, afd_pods, afd_services, afd_configmaps,
-                                                        afd_routed_pods), deleting=True)
+        result = await _reconcile(memo, body, _observed(namespace, name, kwargs), deleting=True)
     if not result.finished:
         delay = memo.resync_seconds if result.next_wakeup is None else max(result.next_wakeup - time.time(), 0.2)
         raise kopf.TemporaryError("draining instances before removing the finalizer", delay=min(delay, 5.0))

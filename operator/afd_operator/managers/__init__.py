@@ -1,8 +1,8 @@
 """One small manager per kind of child object: each turns one reconciliation's decision
 into the writes for its kind (create what is missing, patch what drifted, delete what is no
 longer wanted) and removes its kind at teardown. The reconciler calls them in order:
-snapshots, Services, PDB, PodMonitor, PodGroups, then pods (a pod's Service, snapshot and
-gang exist before it does)."""
+snapshots, Services, PDBs, NetworkPolicies, PodMonitor, PodGroups, then pods (a pod's Service,
+snapshot, budget, policy and gang exist before it does)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from typing import Any, Mapping, Optional, Protocol
 from ..api import AFDDeploymentSpec
 from ..controller import Decision
 from ..memory import DeploymentMemory
-from ..observe import Observed
-from ..planner import Plan
+from ..observe import Observed, ObservedObject
+from ..planner import InstancePlan, Plan, instance_frame
+from ..policy import ClusterPolicy
 from ..render import render_shared
 from ..writer import Writer
 
@@ -32,6 +33,7 @@ class Round:
     memory: DeploymentMemory
     now: float
     deleting: bool  # teardown: only removals, nothing is created or patched
+    policy: ClusterPolicy
 
     @cached_property
     def shared(self) -> dict[str, dict[str, Any]]:
@@ -41,6 +43,11 @@ class Round:
 
     def live_instances(self) -> set[str]:
         return {r.name for r in self.decision.instances}
+
+    def current_instances(self) -> list[InstancePlan]:
+        """The live instances of the current revision, without their pods."""
+        return [instance_frame(self.spec, self.plan.name, self.plan.namespace, rec.revision, rec.index)
+                for rec in self.decision.instances if rec.revision == self.plan.revision]
 
 
 class ChildManager(Protocol):
@@ -59,6 +66,11 @@ def contains(observed: Any, desired: Any) -> bool:
         return isinstance(observed, list) and len(observed) == len(desired) and all(
             contains(o, d) for o, d in zip(observed, desired))
     return observed == desired
+
+
+def as_observed(seen: Optional[ObservedObject]) -> Optional[dict]:
+    """A watch-cache summary as `ensure` compares it (its spec)."""
+    return None if seen is None else {"spec": seen.spec}
 
 
 def ensure(writer: Writer, desired: Mapping[str, Any], observed: Optional[Mapping[str, Any]],

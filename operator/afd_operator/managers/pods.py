@@ -7,7 +7,7 @@ from .. import naming
 from ..controller import CreatePods, DeletePods, SetServing, StartDrain
 from ..observe import Observed, format_time, parse_time, summarize_pod
 from ..planner import plan_instance
-from ..render import render_pod
+from ..render import render_pod, role_pieces
 from ..writer import Writer
 from . import Round
 
@@ -20,10 +20,11 @@ class PodManager:
                 case CreatePods(revision=revision, index=index, role=role):
                     assert revision == r.plan.revision, "only the current revision is ever created"
                     instance = plan_instance(r.spec, r.plan.name, ns, revision, index)
-                    for pod in instance.pods_of(role):  # type: ignore[arg-type]
-                        body = render_pod(r.spec, r.plan, instance, pod, r.owner)
-                        r.writer.create(body)
-                        intents.created.note(pod.name, summarize_pod(body, created_at=now), now)
+                    pieces = role_pieces(r.spec, role)
+                    bodies = [render_pod(r.spec, r.plan, instance, pod, r.owner, pieces)
+                              for pod in instance.pods_of(role)]  # type: ignore[arg-type]
+                    r.writer.create_all(bodies, lambda body: intents.created.note(
+                        body["metadata"]["name"], summarize_pod(body, created_at=now), now))
                 case SetServing(pods=pods, serving=serving):
                     for pod in pods:
                         r.writer.patch("v1", "Pod", ns, pod, {"metadata": {"labels": {

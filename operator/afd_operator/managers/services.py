@@ -3,18 +3,11 @@ per instance of the current revision (stable pod DNS), deleted with their instan
 
 from __future__ import annotations
 
-from typing import Optional
-
 from .. import naming
-from ..observe import Observed, ObservedObject
-from ..planner import plan_instance
+from ..observe import Observed
 from ..render import render_instance_service
 from ..writer import Writer
-from . import Round, ensure
-
-
-def _as_seen(seen: Optional[ObservedObject]) -> Optional[dict]:
-    return None if seen is None else {"spec": seen.spec}
+from . import Round, as_observed, ensure
 
 
 class ServiceManager:
@@ -23,12 +16,10 @@ class ServiceManager:
         live = r.live_instances()
         if not r.deleting:
             api = r.shared["Service"]
-            ensure(r.writer, api, _as_seen(services.get(api["metadata"]["name"])))
-            for rec in r.decision.instances:
-                if rec.revision == r.plan.revision:
-                    instance = plan_instance(r.spec, r.plan.name, r.plan.namespace, rec.revision, rec.index)
-                    desired = render_instance_service(r.spec, r.plan, instance, r.owner)
-                    ensure(r.writer, desired, _as_seen(services.get(instance.name)))
+            ensure(r.writer, api, as_observed(services.get(api["metadata"]["name"])))
+            for instance in r.current_instances():
+                desired = render_instance_service(r.spec, r.plan, instance, r.owner)
+                ensure(r.writer, desired, as_observed(services.get(instance.name)))
         for o in services.values():
             if o.labels.get(naming.LABEL_COMPONENT) == "instance" and o.name not in live:
                 r.writer.delete("v1", "Service", r.plan.namespace, o.name)

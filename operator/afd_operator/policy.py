@@ -1,0 +1,111 @@
+"""What the cluster admin lets AFDDeployments ask of the nodes, and how their pods are isolated:
+the chart's `hostAccess` and `networkPolicy` values. The operator reads them from the file the
+chart mounts (`--policy FILE`), `afdctl --policy VALUES.yaml` from the admin's values file; the
+webhook and the operator refuse a spec that asks for more, naming the field and the chart value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Mapping, Optional
+
+import yaml
+from pydantic import ConfigDict, Field, ValidationError
+
+from .api import DEFAULT_DRIVER_HOST_PATHS, HCCN_CONF
+from .kube_types import MAX_LIST_ITEMS, AbsolutePath, DNSSubdomain, NetworkPolicyPeer, Strict, wire
+
+# The host paths the operator mounts read-only on platform ascend: the driver, dcmi, npu-smi
+# (ascend.driverHostPaths) and the NIC configuration (ascend.mountHccnConf).
+DEFAULT_ASCEND_HOST_PATHS = (*DEFAULT_DRIVER_HOST_PATHS, HCCN_CONF)
+# Prometheus pods, as the usual charts label them, in any namespace, may scrape FFN metrics.
+DEFAULT_METRICS_FROM: tuple[dict[str, Any], ...] = (
+    {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},)
+
+
+@dataclass(frozen=True)
+class HostAccess:
+    """chart value hostAccess: what pods may use of their node (secure defaults)."""
+
+    host_path_prefixes: tuple[str, ...] = ()
+    ascend_host_paths: tuple[str, ...] = DEFAULT_ASCEND_HOST_PATHS
+    host_network: bool = False
+    service_accounts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class NetworkIsolation:
+    """chart value networkPolicy: one NetworkPolicy per instance, and who may scrape metrics."""
+
+    enabled: bool = True
+    metrics_from: tuple[dict[str, Any], ...] = DEFAULT_METRICS_FROM
+
+
+@dataclass(frozen=True)
+class ClusterPolicy:
+    # None: not checked (afdctl without --policy, which cannot know a cluster's values).
+    host_access: Optional[HostAccess] = field(default_factory=HostAccess)
+    network: NetworkIsolation = field(default_factory=NetworkIsolation)
+
+
+UNCHECKED_HOST_ACCESS = ClusterPolicy(host_access=None)
+
+
+class PolicyError(ValueError):
+    pass
+
+
+class _HostAccessValues(Strict):
+    host_path_prefixes: Annotated[list[AbsolutePath], Field(max_length=MAX_LIST_ITEMS)] = Field(default_factory=list)
+    ascend_host_paths: Annotated[list[AbsolutePath], Field(max_length=MAX_LIST_ITEMS)] = Field(
+        default_factory=lambda: list(DEFAULT_ASCEND_HOST_PATHS))
+    host_network: bool = False
+    service_accounts: Annotated[list[DNSSubdomain], Field(max_length=MAX_LIST_ITEMS)] = Field(default_factory=list)
+
+
+class _NetworkPolicyValues(Strict):
+    enabled: bool = True
+    metrics_from: Annotated[list[NetworkPolicyPeer], Field(max_length=MAX_LIST_ITEMS)] = Field(
+        default_factory=lambda: [NetworkPolicyPeer.model_validate(p) for p in DEFAULT_METRICS_FROM])
+
+
+class _ChartValues(Strict):
+    model_config = ConfigDict(**{**Strict.model_config, "extra": "ignore"})  # the chart's other values
+    host_access: _HostAccessValues = Field(default_factory=_HostAccessValues)
+    network_policy: _NetworkPolicyValues = Field(default_factory=_NetworkPolicyValues)
+
+
+def policy_from_values(values: Any) -> ClusterPolicy:
+    """The policy of chart values (a mapping holding `hostAccess` and `networkPolicy`; missing
+    keys take the chart's defaults). Raises PolicyError naming the value and its rule."""
+    try:
+        parsed = _ChartValues.model_validate(values if values is not None else {})
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise PolicyError(f"{where}: {first['msg'].removeprefix('Value error, ')}") from None
+    host, net = parsed.host_access, parsed.network_policy
+    return ClusterPolicy(
+        host_access=HostAccess(host_path_prefixes=tuple(host.host_path_prefixes),
+                               ascend_host_paths=tuple(host.ascend_host_paths),
+                               host_network=host.host_network, service_accounts=tuple(host.service_accounts)),
+        network=NetworkIsolation(enabled=net.enabled, metrics_from=tuple(wire(p) for p in net.metrics_from)))
+
+
+def load_policy(path: str) -> ClusterPolicy:
+    """The policy of a chart values file (YAML). Raises PolicyError or OSError."""
+    with open(path, encoding="utf-8") as stream:
+        try:
+            values = yaml.safe_load(stream)
+        except yaml.YAMLError as err:
+            raise PolicyError(f"not YAML: {err}") from None
+    if values is not None and not isinstance(values, Mapping):
+        raise PolicyError("must be a mapping of chart values")
+    return policy_from_values(values)
+
+
+def under(path: str, prefix: str) -> bool:
+    """Whether `path` is `prefix` or inside it, component by component ('/data' holds
+    '/data/models', not '/database')."""
+    root = prefix.rstrip("/")
+    return path == prefix or path.rstrip("/") == root or path.startswith(root + "/")
