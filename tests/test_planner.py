@@ -13,7 +13,8 @@ from afd_operator.planner import plan
 from afd_operator.revision import revision_of, shaping_spec
 from afd_operator.validation import validate_object
 from afd_operator.render import additional_config_json
-from afd_shared_experts.config import AFDConfig, AFDConfigError, SharedExpertsConfig, parse_afd_config
+from afd_shared_experts.config import (DEFAULT_MIN_SPLIT_DECODE_TOKENS, DEFAULT_MIN_SPLIT_PREFILL_TOKENS, AFDConfig,
+                                       AFDConfigError, SharedExpertsConfig, parse_afd_config)
 
 
 def spec_of(**overrides: Any) -> AFDDeploymentSpec:
@@ -146,6 +147,7 @@ def test_revision_ignores_operator_only_fields() -> None:
     {"model": {"maxNumBatchedTokens": 4096}},
     {"attention": {"env": [{"name": "X", "value": "1"}]}},
     {"async": {"stages": 1}},
+    {"async": {"minSplitTokens": {"decode": 8}}},
 ])
 def test_revision_changes_with_anything_that_shapes_an_instance(change: dict[str, Any]) -> None:
     assert revision_of(spec_of(**change)) != revision_of(spec_of())
@@ -156,11 +158,13 @@ def test_revision_is_stable_across_defaults_spelled_out() -> None:
     assert revision_of(explicit) == revision_of(spec_of())
 
 
-def test_an_unset_stage_count_leaves_the_revision_as_before_the_field_existed() -> None:
-    # The hashed data of a spec without `async` has no such key, as before spec.async existed:
-    # an operator upgrade does not roll those instances.
+def test_async_at_its_defaults_leaves_the_revision_as_before_the_block_existed() -> None:
+    # The hashed data of a spec without `async` (or with its defaults spelled out) has no such
+    # key, as before spec.async existed: an operator upgrade does not roll those instances.
     assert "async" not in shaping_spec(spec_of())
-    assert shaping_spec(spec_of(**{"async": {"stages": 2}}))["async"] == {"stages": 2}
+    defaults = {"decode": DEFAULT_MIN_SPLIT_DECODE_TOKENS, "prefill": DEFAULT_MIN_SPLIT_PREFILL_TOKENS}
+    assert "async" not in shaping_spec(spec_of(**{"async": {"minSplitTokens": defaults}}))
+    assert shaping_spec(spec_of(**{"async": {"stages": 2}}))["async"] == {"stages": 2, "minSplitTokens": defaults}
 
 
 def test_examples_plan(examples: list) -> None:
@@ -189,3 +193,14 @@ def test_both_roles_get_the_micro_batch_stage_count(overrides: dict, stages: int
         # What the pods read back from their command line.
         for pod in inst.pods:
             assert parse_afd_config(json.loads(additional_config_json(pod))).num_stages == stages
+
+
+def test_both_roles_get_the_stage_split_minimums() -> None:
+    spec = spec_of(platform="cpu", **{"async": {"minSplitTokens": {"decode": 4, "prefill": 96}}})
+    for inst in plan(spec, "ds", "ns").instances:
+        for pod in inst.pods:
+            minimums = parse_afd_config(json.loads(additional_config_json(pod))).min_split_tokens
+            assert (minimums.decode, minimums.prefill) == (4, 96)
+    defaults = parse_afd_config(json.loads(additional_config_json(plan(spec_of(), "ds", "ns").instances[0].pods[0])))
+    assert (defaults.min_split_tokens.decode, defaults.min_split_tokens.prefill) == (
+        DEFAULT_MIN_SPLIT_DECODE_TOKENS, DEFAULT_MIN_SPLIT_PREFILL_TOKENS)

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
-from afd_shared_experts.config import MAX_STAGES
+from afd_shared_experts.config import DEFAULT_MIN_SPLIT_DECODE_TOKENS, DEFAULT_MIN_SPLIT_PREFILL_TOKENS, MAX_STAGES
 
 from . import kube_rules
 from .kube_types import (MAX_LIST_ITEMS, MAX_MAP_ENTRIES, MAX_STRING, AbsolutePath, Affinity, DNSLabel,
@@ -210,12 +210,24 @@ class ConnectorSpec(Strict):
 DEFAULT_STAGES = 2
 
 
+class MinSplitTokensSpec(Strict):
+    decode: int = Field(
+        DEFAULT_MIN_SPLIT_DECODE_TOKENS, ge=1, le=MAX_TOKENS,
+        description="The fewest tokens a decode step (every request one token) needs before it is split into "
+        "stages; smaller decode steps run as one stage (a micro-batch's fixed costs would outweigh the overlap).")
+    prefill: int = Field(
+        DEFAULT_MIN_SPLIT_PREFILL_TOKENS, ge=1, le=MAX_TOKENS,
+        description="The same for any other step (prefill, chunked prefill, mixed).")
+
+
 class AsyncSpec(Strict):
     stages: Optional[int] = Field(
         None, ge=1, le=MAX_STAGES,
         description="Micro-batch stages of each Attention step, ping-pong with the FFN side (the FFN computes one "
         "micro-batch while the Attention side computes the next); more than 1 on platform cpu only. Default: "
         f"{DEFAULT_STAGES} where allowed (platform cpu, no engine argument that refuses stages), else 1.")
+    min_split_tokens: MinSplitTokensSpec = Field(
+        default_factory=MinSplitTokensSpec, description="Steps below these sizes run unsplit whatever `stages` says.")
 
 
 EngineArgs = Annotated[list[Annotated[str, Field(max_length=MAX_STRING)]], Field(max_length=MAX_ENGINE_ARGS)]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Iterable, Literal, Optional, Union
 
-from afd_shared_experts.config import AFDConfig, SharedExpertsConfig, stage_limit
+from afd_shared_experts.config import AFDConfig, MinSplitTokens, SharedExpertsConfig, stage_limit
 
 from . import naming
 from .api import DEFAULT_STAGES, HCCN_CONF, AFDDeploymentSpec, ResourceRequirements
@@ -222,6 +222,8 @@ def afd_config(spec: AFDDeploymentSpec, role: Role, host: str, port: int) -> AFD
         num_attention_ranks=spec.attention.data_parallel * spec.attention.tensor_parallel,
         num_ffn_ranks=spec.ffn.ranks,
         num_stages=resolve_stages(spec),
+        min_split_tokens=MinSplitTokens(decode=spec.async_.min_split_tokens.decode,
+                                        prefill=spec.async_.min_split_tokens.prefill),
         attn_ranks_per_dp=spec.attention.tensor_parallel,
         connector_extra_config=spec.connector.extra_config,
         shared_experts=SharedExpertsConfig(placement=spec.shared_experts.placement,

@@ -13,7 +13,7 @@ import hashlib
 import json
 from typing import Any
 
-from .api import AFDDeploymentSpec
+from .api import AFDDeploymentSpec, AsyncSpec
 
 REVISION_LENGTH = 10
 
@@ -30,9 +30,9 @@ def shaping_spec(spec: AFDDeploymentSpec) -> dict[str, Any]:
         data.pop(key, None)
     for parent, child in NON_SHAPING_NESTED:
         data.get(parent, {}).pop(child, None)
-    # Unset means one stage, as before the field existed: leaving the block out keeps those
-    # specs' revisions, so upgrading the operator does not roll their instances.
-    if data.get("async") == {"stages": None}:
+    # A spec that leaves `async` at its defaults hashes as before the block existed, so
+    # upgrading the operator does not roll those instances.
+    if data.get("async") == AsyncSpec().model_dump(mode="json", by_alias=True):
         del data["async"]
     return data
 
