@@ -1,7 +1,7 @@
 """The plugin's vLLM 0.23.0 glue: everything that imports vLLM lives in this package.
 
 ``plugin`` (the entry point), ``compat`` (pinned version, the afd block of a VllmConfig, eager
-mode for AFD engines), ``experts`` (the remote-experts ``FusedMoE`` on Attention ranks),
+mode for AFD engines off vLLM's CPU platform, the staged worker), ``experts`` (the remote-experts ``FusedMoE`` on Attention ranks),
 ``models`` (the model wrappers), ``loader`` (load format ``afd``) and ``ffn`` (the FFN server's
 vLLM expert backend).
 The core (``afd_shared_experts.*``) never imports this package at module level.
