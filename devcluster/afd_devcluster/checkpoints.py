@@ -92,9 +92,17 @@ def write_moe_checkpoint(directory: Path, model_type: str, *, seed: int = 0, **o
         tensors[f"{base}.{shared_name}.down_proj.weight"] = rand(hidden, shared_inter)
         if model_type == "qwen2_moe":
             tensors[f"{base}.shared_expert_gate.weight"] = rand(1, hidden)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    save_tensors(tensors, directory)
     (directory / "config.json").write_text(json.dumps(cfg, indent=1))
     return directory
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], directory: Path) -> None:
+    """``model.safetensors`` readable by every user like the checkpoint's other files:
+    safetensors creates it 0600, and the runtime image reads it as a non-root user."""
+    path = directory / "model.safetensors"
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(path))
+    path.chmod(0o644)
 
 
 def write_vllm_checkpoint(directory: Path, model_type: str, seed: int = 0, **shape) -> Path:
@@ -129,7 +137,7 @@ def write_vllm_checkpoint(directory: Path, model_type: str, seed: int = 0, **sha
             tensors[f"{base}.mlp.gate_proj.weight"] = rand(cfg["intermediate_size"], hidden)
             tensors[f"{base}.mlp.up_proj.weight"] = rand(cfg["intermediate_size"], hidden)
             tensors[f"{base}.mlp.down_proj.weight"] = rand(hidden, cfg["intermediate_size"])
-    save_file({k: t.contiguous() for k, t in tensors.items()}, str(directory / "model.safetensors"))
+    save_tensors(tensors, directory)
     _write_tokenizer(directory)
     return directory
 

@@ -10,8 +10,8 @@ stages, AFD_SERVE_STAGES); a restart of both sides (RESTART_MODELS); AFD with At
 parallel 2 (compared with plain vLLM at DP 1: plain vLLM cannot run a MoE model at DP 2 on CPU,
 TESTBED.md). Requests are sent one at a time, so every server runs the same batches.
 
-The DP 2 phases (DP2_PHASES: DeepSeek-V3 and Qwen2-MoE run 1, 2 and 3 micro-batch stages under
-each placement; DeepSeek-V2 runs DP 2 on the real node) then send the prompts twice, all at once, with a
+The DP 2 phases (DP2_PHASES: DeepSeek-V3 and Qwen2-MoE each run 1, 2 and 3 micro-batch stages
+and both placements, every pair between them; DeepSeek-V2 runs DP 2 on the real node) then send the prompts twice, all at once, with a
 longer one: steps hold several requests on each engine (split into stages), then one (a single
 stage) while the other engine idles (dummy steps). The stage traces of both sides show the
 ping-pong, one FFN expert pass per (step, layer, stage) over both engines' rows, and the FFN
@@ -66,15 +66,16 @@ LONG_TOKENS = 3 * MAX_TOKENS
 # Micro-batch stages of the AFD phase (and its restart) by model: Qwen2-MoE loses its FFN server
 # while steps run in 2 stages (two streams at once); the others run 1 stage.
 AFD_SERVE_STAGES = {"qwen2_moe": 2}
-# The DP 2 phases of each model, (stages, placement): every pair of 1, 2 or 3 stages and
-# placement 'attention' or 'ffn' (a phase's steps with fewer requests than its stage count run
-# fewer stages). DeepSeek-V2 at DP 2 runs on the real node (tests/realnode/test_afd_e2e.py:
-# 2 stages, placement 'ffn', requests alone and at once), so it has no phase here.
-EVERY_STAGES_AND_PLACEMENT = tuple((stages, placement) for stages in (1, 2, 3) for placement in ("attention", "ffn"))
-DP2_PHASES = {"deepseek_v3": EVERY_STAGES_AND_PLACEMENT, "qwen2_moe": EVERY_STAGES_AND_PLACEMENT}
+# The DP 2 phases of each model, (stages, placement): each model runs 1, 2 and 3 stages and
+# both placements, and the two models together every pair of them (a phase's steps with fewer
+# requests than its stage count run fewer stages). DeepSeek-V2 at DP 2 runs on the real node
+# (tests/realnode/test_afd_e2e.py: 2 stages, placement 'ffn', requests alone and at once), so it
+# has no phase here.
+DP2_PHASES = {"deepseek_v3": ((1, "attention"), (2, "ffn"), (3, "attention")),
+              "qwen2_moe": ((1, "ffn"), (2, "attention"), (3, "ffn"))}
 # The first test using the DP 2 phases sets all of them up (seven vLLM processes and two FFN
 # servers each, on two cores): 90 to 150 s a phase measured, more than the suite's 600 s per test.
-DP2_TIMEOUT = 200 * len(EVERY_STAGES_AND_PLACEMENT)
+DP2_TIMEOUT = 300 * max(len(phases) for phases in DP2_PHASES.values())
 # The restart of both sides re-runs the rendezvous, which no model changes: the model whose
 # AFD phase runs 2 stages.
 RESTART_MODELS = ("qwen2_moe",)
