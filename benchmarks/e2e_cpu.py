@@ -12,7 +12,9 @@ Attention engine pinned to core 0 and one FFN server (1 rank) to core 1, one thr
 concurrency (--concurrency, default 8 and 64) every configuration gets that many requests at
 once, --repeats times, and reports its best output tokens/s; --rounds repeats the whole cycle
 of configurations (the best of all rounds counts), so a change in the machine's load hits them
-all. Printed: tokens/s per configuration and the ratios S=2/S=1 and AFD/plain.
+all. Printed: tokens/s per configuration and the ratios S=2/S=1 and AFD/plain. With
+--split-every-step, also 2 stages with every step split whatever its size: its ratio to 1 stage
+per concurrency is where splitting starts to pay (the plugin's minimum step sizes).
 
 --suite stages: plain vLLM, then AFD with 1, 2 and 3 micro-batch stages under each placement,
 the Attention process on core 0 and one FFN server (1 rank) on core 1, one thread each, on a
@@ -46,8 +48,8 @@ from pathlib import Path
 
 from afd_devcluster.checkpoints import VOCAB, write_vllm_checkpoint
 from afd_shared_experts.trace import read_traces
-from vllm_harness import (afd_block, free_port, http_status, install_testbed_plugin, post_json, run_driver,
-                          served_model, start_ffn_servers, start_vllm_serve, wait_until)
+from vllm_harness import (SPLIT_EVERY_STEP, afd_block, free_port, http_status, install_testbed_plugin, post_json,
+                          run_driver, served_model, start_ffn_servers, start_vllm_serve, wait_until)
 
 ATTENTION_CORE, FFN_CORE = {0}, {1}
 
@@ -210,9 +212,10 @@ def serve_load(port: int, prompts: list[list[int]], max_tokens: int) -> float:
     return len(prompts) * max_tokens / (time.monotonic() - started)
 
 
-def serve_configuration(args, model: Path, root: Path, name: str, stages: int | None,
+def serve_configuration(args, model: Path, root: Path, name: str, stages: int | None, min_split: dict | None,
                         loads: dict[int, list[list[int]]]) -> dict[int, float]:
-    """Best tokens/s per concurrency of one configuration (stages None: plain vLLM on both cores)."""
+    """Best tokens/s per concurrency of one configuration (stages None: plain vLLM on both cores;
+    min_split None: the plugin's default minimum step sizes)."""
     engine = ["--dtype", "float32", "--max-model-len", str(args.prompt_len + args.max_tokens + 16),
               "--max-num-batched-tokens", str(args.token_budget), "--max-num-seqs", str(max(loads)), "--seed", "0"]
     if args.eager:
@@ -226,7 +229,7 @@ def serve_configuration(args, model: Path, root: Path, name: str, stages: int | 
             api = start_vllm_serve(model, port, root, name, engine_args=engine, env=env, cpus=ATTENTION_CORE | FFN_CORE)
         else:
             block = afd_block("attention", port=free_port(), placement="ffn", ffn_ranks=1, stages=stages,
-                              min_split=None)
+                              min_split=min_split)
             procs += [proc for proc, _ in start_ffn_servers(model, block, root, count=1, tag=f"ffn-{name}",
                                                             cpus=FFN_CORE, token_budget=args.token_budget)]
             api = start_vllm_serve(model, port, root, name, block=block, engine_args=engine, env=env,
@@ -246,24 +249,28 @@ def serve_suite(args, root: Path) -> int:
     rng = random.Random(0)
     loads = {n: [[rng.randrange(3, VOCAB) for _ in range(args.prompt_len)] for _ in range(n)]
              for n in args.concurrency}
-    configurations = [("plain vLLM (2 cores)", None), ("AFD 1 stage", 1), ("AFD 2 stages", 2)]
+    # (name, stages, afd.min_split_tokens): None stages is plain vLLM, None minimums the plugin's defaults.
+    configurations = [("plain vLLM (2 cores)", None, None), ("AFD 1 stage", 1, None), ("AFD 2 stages", 2, None)]
+    if args.split_every_step:
+        configurations.append(("AFD 2 stages, all split", 2, SPLIT_EVERY_STEP))
     best: dict[str, dict[int, float]] = {}
     for round_ in range(args.rounds):
-        for name, stages in configurations:
-            measured = serve_configuration(args, model, root, f"{name.split()[1]}-r{round_}", stages, loads)
+        for index, (name, stages, min_split) in enumerate(configurations):
+            measured = serve_configuration(args, model, root, f"c{index}-r{round_}", stages, min_split, loads)
             best[name] = {n: max(best.get(name, {}).get(n, 0.0), tps) for n, tps in measured.items()}
     print(f"vllm serve, DeepSeek-V3-style (hidden 512, 4 layers, 8 routed experts of 256, top-2, 1 shared), "
           f"float32, {'eager' if args.eager else 'vLLM default compilation'}, prompts of {args.prompt_len} tokens, "
           f"{args.max_tokens} new tokens each, --max-num-batched-tokens {args.token_budget}; plain on cores 0-1, "
           f"AFD Attention on core 0 + 1 FFN rank on core 1, 1 thread each; best of {args.repeats} x {args.rounds} "
           "round(s), output tok/s")
-    print(f"{'configuration':<24}" + "".join(f"{f'{n} requests':>14}" for n in args.concurrency))
-    for name, _ in configurations:
-        print(f"{name:<24}" + "".join(f"{best[name][n]:>14.1f}" for n in args.concurrency))
+    print(f"{'configuration':<32}" + "".join(f"{f'{n} requests':>14}" for n in args.concurrency))
+    for name, _, _ in configurations:
+        print(f"{name:<32}" + "".join(f"{best[name][n]:>14.1f}" for n in args.concurrency))
     for n in args.concurrency:
-        plain, one, two = (best[name][n] for name, _ in configurations)
+        plain, one, two = (best[name][n] for name, _, _ in configurations[:3])
+        split = (f", all split / S=1 = {best[configurations[3][0]][n] / one:.2f}" if args.split_every_step else "")
         print(f"{n} requests: S=2 / S=1 = {two / one:.2f}, AFD S=2 / plain = {two / plain:.2f}, "
-              f"AFD S=1 / plain = {one / plain:.2f}")
+              f"AFD S=1 / plain = {one / plain:.2f}{split}")
     return 0
 
 
@@ -287,6 +294,9 @@ def main() -> int:
     p.add_argument("--token-budget", type=int, default=2048,
                    help="--suite serve: --max-num-batched-tokens of the engines and the FFN server")
     p.add_argument("--eager", action="store_true", help="--suite serve: every engine with --enforce-eager")
+    p.add_argument("--split-every-step", action="store_true",
+                   help="--suite serve: also AFD 2 stages with every step split (min_split_tokens 1), the "
+                        "measurement the plugin's minimum step sizes come from")
     args = p.parse_args()
     if args.suite == "serve":
         if min(args.concurrency + [args.repeats, args.rounds, args.token_budget]) < 1:

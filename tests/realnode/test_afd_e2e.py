@@ -514,10 +514,18 @@ def test_faults_recreate_the_instance_and_serving_returns(real_node: RealNode, s
     evictions: list[subprocess.CompletedProcess] = []
 
     def evict_two_pods_of_the_instance() -> None:
-        """What a node drain asks: the budget lets one pod of the instance go, not a second."""
-        first, second = [p["metadata"] for p in afd_pods(real_node, NAMESPACE, NAME)][:2]
-        wait_for(lambda: instance_guard(real_node, "pdb", first["labels"][LABEL + "instance"]).get("status", {}).get(
+        """What a node drain asks: the budget lets one pod of the instance go, not a second.
+        Two running pods of one instance: the API server evicts a pod that is terminating or
+        not yet running without asking its budget, and the pods of the instance a fault
+        before replaced may still be going."""
+        def running() -> list[dict]:
+            return [p["metadata"] for p in afd_pods(real_node, NAMESPACE, NAME)
+                    if is_ready(p) and not p["metadata"].get("deletionTimestamp")]
+
+        instance = running()[0]["labels"][LABEL + "instance"]
+        wait_for(lambda: instance_guard(real_node, "pdb", instance).get("status", {}).get(
             "disruptionsAllowed") == 1, "the budget allowing one disruption", 60, interval=1)
+        first, second = [pod for pod in running() if pod["labels"][LABEL + "instance"] == instance][:2]
         evictions.extend(evict(real_node, pod["name"]) for pod in (first, second))
 
     outages = [survive(real_node, "FFN container killed", kill_an_ffn_container, host, port),
