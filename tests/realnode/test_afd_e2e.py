@@ -39,9 +39,9 @@ from afd_devcluster.prometheus import prometheus_server, query
 from afd_devcluster.realnode import RealNode
 from afd_devcluster.realnode.images import RUNTIME_CPU_IMAGE, retag
 from afd_devcluster.realnode.prometheus_sd import TargetFeed, scrape_jobs
-from afd_devcluster.realnode.scenario import (DEPLOYMENT_LABEL, RELEASE_NAMESPACE, afd_pods, apply, complete,
-                                              delete_afd, get_afd, is_ready, models_dir, pods, wait_serving,
-                                              write_tiny_checkpoint)
+from afd_devcluster.realnode.scenario import (DEPLOYMENT_LABEL, RELEASE, RELEASE_NAMESPACE, afd_pods, apply,
+                                              complete, delete_afd, get_afd, is_ready, models_dir, pods,
+                                              wait_serving, write_tiny_checkpoint)
 from afd_devcluster.tools import wait_for
 
 NAMESPACE = "afd-e2e"
@@ -495,6 +495,12 @@ def evict(real_node: RealNode, pod: str) -> subprocess.CompletedProcess:
                              input_text=json.dumps(eviction), check=False)
 
 
+def scale_operator(real_node: RealNode, replicas: int) -> None:
+    real_node.kubectl("scale", "deployment", RELEASE, "-n", RELEASE_NAMESPACE, f"--replicas={replicas}")
+    wait_for(lambda: len(pods(real_node, RELEASE_NAMESPACE, f"app.kubernetes.io/instance={RELEASE}")) == replicas,
+             f"{replicas} operator pod(s)", 120, interval=1)
+
+
 def of_role(real_node: RealNode, role: str) -> list[dict]:
     return [p for p in afd_pods(real_node, NAMESPACE, NAME) if p["metadata"]["labels"][LABEL + "role"] == role]
 
@@ -516,8 +522,9 @@ def test_faults_recreate_the_instance_and_serving_returns(real_node: RealNode, s
     def evict_two_pods_of_the_instance() -> None:
         """What a node drain asks: the budget lets one pod of the instance go, not a second.
         Two running pods of one instance: the API server evicts a pod that is terminating or
-        not yet running without asking its budget, and the pods of the instance a fault
-        before replaced may still be going."""
+        not yet running without asking its budget. So the operator is stopped meanwhile: once
+        one pod goes it deletes the rest of the instance, and the second eviction would find
+        its pod terminating (seen here: allowed)."""
         def running() -> list[dict]:
             return [p["metadata"] for p in afd_pods(real_node, NAMESPACE, NAME)
                     if is_ready(p) and not p["metadata"].get("deletionTimestamp")]
@@ -526,7 +533,11 @@ def test_faults_recreate_the_instance_and_serving_returns(real_node: RealNode, s
         wait_for(lambda: instance_guard(real_node, "pdb", instance).get("status", {}).get(
             "disruptionsAllowed") == 1, "the budget allowing one disruption", 60, interval=1)
         first, second = [pod for pod in running() if pod["labels"][LABEL + "instance"] == instance][:2]
-        evictions.extend(evict(real_node, pod["name"]) for pod in (first, second))
+        scale_operator(real_node, 0)
+        try:
+            evictions.extend(evict(real_node, pod["name"]) for pod in (first, second))
+        finally:
+            scale_operator(real_node, 1)
 
     outages = [survive(real_node, "FFN container killed", kill_an_ffn_container, host, port),
                survive(real_node, "Attention pod deleted", delete_an_attention_pod, host, port),
