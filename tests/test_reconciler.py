@@ -10,11 +10,11 @@ from typing import Any, Callable, Optional
 from kubernetes.client.exceptions import ApiException
 
 from afd_operator import naming
-from afd_operator.api import AFDDeploymentSpec
+from afd_operator.api import AFDDeploymentSpec, ConditionType
 from afd_operator.metrics import OperatorMetrics
 from afd_operator.reconciler import Reconciler
 from afd_operator.revision import revision_of
-from afd_operator.status import API_WRITE_FAILED, write_failure_reason
+from afd_operator.status import write_failure_reason
 from afd_operator.writer import ApiWriteError
 from recording_writer import Call, RecordingWriter
 
@@ -167,7 +167,7 @@ def test_refused_write_sets_condition_and_event_until_a_write_succeeds() -> None
     ns = Namespace({"a": spec()})
     ns.writer.refuse = refuse_pod_creates
     ns.round()
-    cond = ns.condition("a", API_WRITE_FAILED)
+    cond = ns.condition("a", ConditionType.API_WRITE_FAILED)
     assert cond is not None and cond["status"] == "True" and cond["reason"] == "CreatePodForbidden"
     pod = f"a-{revision(spec())}-0-ffn-0"
     assert cond["message"].startswith(f"create Pod {pod}: 403 Forbidden") and "exceeded quota" in cond["message"]
@@ -180,7 +180,7 @@ def test_refused_write_sets_condition_and_event_until_a_write_succeeds() -> None
 
     ns.writer.refuse = lambda verb, kind, name: None
     ns.until(lambda: ns.ready("a"), "Ready once creates are accepted")
-    assert ns.condition("a", API_WRITE_FAILED) is None
+    assert ns.condition("a", ConditionType.API_WRITE_FAILED) is None
 
 
 def test_api_error_names_the_verb_kind_and_the_apis_own_reason() -> None:
