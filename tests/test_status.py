@@ -113,3 +113,12 @@ def test_last_transition_time_moves_only_with_the_status() -> None:
     untimed = {**first, "conditions": [{k: v for k, v in c.items() if k != "lastTransitionTime"}
                                        for c in first["conditions"]]}
     assert {c["lastTransitionTime"] for c in built(READY, untimed, NOW + 60)["conditions"]} == {format_time(NOW + 60)}
+
+
+def test_a_status_another_version_stored_still_gets_the_refusal_recorded() -> None:
+    stored = {"observedGeneration": 3, "replicas": "three",
+              "conditions": [{"type": "Ready", "status": "True", "reason": "AllInstancesReady",
+                              "lastTransitionTime": format_time(NOW - 5)}]}
+    written = invalid_status(INVALID, stored, 4, NOW)
+    assert {c["type"]: c["status"] for c in written["conditions"]} == {"Ready": "True", "ConfigValid": "False"}
+    assert written["observedGeneration"] == 4

@@ -167,11 +167,15 @@ def build_status(
 def _with_condition(previous: Optional[Mapping[str, Any]], kind: ConditionType, ok: bool, reason: str,
                     message: str, generation: Optional[int], now: float) -> AFDDeploymentStatus:
     """The previous status with one condition set: what a reconciliation that changed nothing
-    reports. The previous status is one these models wrote (the CRD's schema, generated from
-    them, prunes anything else), so it is read whole; only its conditions are read one by one."""
+    reports. The previous status is normally one these models wrote (the CRD's schema, generated
+    from them, prunes anything else), so it is read whole; one stored under another version's
+    schema keeps only its conditions rather than stopping the reconciliation."""
     previous = previous or {}
     prev_conditions = _previous_conditions(previous)
-    status = AFDDeploymentStatus.model_validate({**previous, "conditions": []})
+    try:
+        status = AFDDeploymentStatus.model_validate({**previous, "conditions": []})
+    except ValidationError:
+        status = AFDDeploymentStatus()
     status.conditions = [c for c in prev_conditions.values() if c.type != kind]
     status.conditions.append(_condition(prev_conditions, kind, ok, reason, message, generation, now))
     return status
