@@ -1,20 +1,22 @@
 """The reconciler against a recording writer (unit tier, in process): per-deployment memory
-with names that are prefixes of each other, teardown dropping that memory, and refused
-writes surfacing in status and events."""
+with names that are prefixes of each other, teardown dropping that memory, refused writes
+surfacing in status and events, and one plan per reconciliation."""
 
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, Callable, Optional
 
+import pytest
 from kubernetes.client.exceptions import ApiException
 
-from afd_operator import naming
-from afd_operator.api import AFDDeploymentSpec
+from afd_operator import naming, planner, revision as revision_module
+from afd_operator.api import AFDDeploymentSpec, ConditionType
 from afd_operator.metrics import OperatorMetrics
 from afd_operator.reconciler import Reconciler
 from afd_operator.revision import revision_of
-from afd_operator.status import API_WRITE_FAILED, write_failure_reason
+from afd_operator.status import write_failure_reason
 from afd_operator.writer import ApiWriteError
 from recording_writer import Call, RecordingWriter
 
@@ -167,7 +169,7 @@ def test_refused_write_sets_condition_and_event_until_a_write_succeeds() -> None
     ns = Namespace({"a": spec()})
     ns.writer.refuse = refuse_pod_creates
     ns.round()
-    cond = ns.condition("a", API_WRITE_FAILED)
+    cond = ns.condition("a", ConditionType.API_WRITE_FAILED)
     assert cond is not None and cond["status"] == "True" and cond["reason"] == "CreatePodForbidden"
     pod = f"a-{revision(spec())}-0-ffn-0"
     assert cond["message"].startswith(f"create Pod {pod}: 403 Forbidden") and "exceeded quota" in cond["message"]
@@ -180,7 +182,7 @@ def test_refused_write_sets_condition_and_event_until_a_write_succeeds() -> None
 
     ns.writer.refuse = lambda verb, kind, name: None
     ns.until(lambda: ns.ready("a"), "Ready once creates are accepted")
-    assert ns.condition("a", API_WRITE_FAILED) is None
+    assert ns.condition("a", ConditionType.API_WRITE_FAILED) is None
 
 
 def test_api_error_names_the_verb_kind_and_the_apis_own_reason() -> None:
@@ -231,3 +233,49 @@ def test_a_spec_that_breaks_the_validator_is_reported_and_still_torn_down(monkey
     ns.deleting.add("a")
     ns.until(lambda: "a" in ns.gone, "torn down")
     assert ns.writer.pods(NS) == [] and not [k for k in ns.writer.objects if k[0] != "Event"]
+
+
+def calls_of(monkeypatch: pytest.MonkeyPatch, function: Callable[..., Any]) -> list[tuple[Any, ...]]:
+    """The arguments of every call of `function` made through any operator module that imported it."""
+    calls: list[tuple[Any, ...]] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return function(*args, **kwargs)
+
+    for module in list(sys.modules.values()):
+        if module.__name__.split(".")[0] == "afd_operator" and getattr(module, function.__name__, None) is function:
+            monkeypatch.setattr(module, function.__name__, counted)
+    return calls
+
+
+def test_one_reconciliation_hashes_the_spec_and_plans_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The revision and the plan are computed once per reconciliation and shared by the decision,
+    every manager and the status; each instance is framed once, whichever managers need it."""
+    hashed = calls_of(monkeypatch, revision_module.revision_of)
+    planned = calls_of(monkeypatch, planner.plan)
+    framed = calls_of(monkeypatch, planner.instance_frame)
+    ns = Namespace({"a": spec(replicas=2)})
+    reconciles = 0
+
+    def one_round() -> None:
+        nonlocal reconciles
+        for calls in (hashed, planned, framed):
+            calls.clear()
+        ns.round()
+        reconciles += 1
+        instances = [args[1:] for args in framed]  # (name, namespace, revision, index)
+        assert (len(hashed), len(planned)) == (1, 1), f"round {reconciles}"
+        assert len(instances) == len(set(instances)), f"round {reconciles}: an instance framed twice"
+
+    for _ in range(6):
+        one_round()
+    assert ns.ready("a") and len(ns.status("a")["instances"]) == 2
+    ns.specs["a"] = spec(image="runtime:v2", replicas=2)  # a roll: creates, drains and deletions
+    while not ns.ready("a"):
+        assert reconciles < 60, "not rolled"
+        one_round()
+    ns.deleting = {"a"}
+    while "a" not in ns.gone:
+        assert reconciles < 100, "not torn down"
+        one_round()

@@ -396,14 +396,27 @@ class AFDDeploymentSpec(Strict):
 class StatusModel(Strict):
     """Status is written by the operator, not by users: read leniently (its phases are strings)."""
 
-    model_config = ConfigDict(**{**Strict.model_config, "strict": False})
+    # Built by field name in status.py, read by wire name from the API.
+    model_config = ConfigDict(**{**Strict.model_config, "strict": False, "validate_by_name": True})
+
+
+# Every condition type the operator writes: any other fails validation, so it never reaches
+# the API. A str Enum, so it travels as the plain string; no docstring (it would land in the CRD).
+class ConditionType(str, Enum):
+    READY = "Ready"
+    AVAILABLE = "Available"
+    PROGRESSING = "Progressing"
+    DEGRADED = "Degraded"
+    CONFIG_VALID = "ConfigValid"
+    NETWORK_ISOLATED = "NetworkIsolated"
+    API_WRITE_FAILED = "ApiWriteFailed"  # present only while the API refuses a write
 
 
 class Condition(StatusModel):
-    type: str
+    type: ConditionType
     status: Literal["True", "False", "Unknown"]
     reason: str = ""
-    message: str = ""
+    message: Optional[str] = None
     last_transition_time: Optional[str] = None
     observed_generation: Optional[int] = None
 

@@ -433,31 +433,35 @@ def head_host(spec: AFDDeploymentSpec, name: str, namespace: str, revision: str,
                                spec.cluster_domain)
 
 
-def role_configs(spec: AFDDeploymentSpec, name: str, namespace: str, revision: str,
-                 index: int) -> dict[Role, AFDConfig]:
-    """The AFDConfig of each role in instance `index`. Every pod of a role is started with
-    the same one: its ranks find their place in the world from the command line."""
-    host, port = head_host(spec, name, namespace, revision, index), instance_ports(spec, index).connector
-    return {role: afd_config(spec, role, host, port) for role in ("attention", "ffn")}
+def role_configs(spec: AFDDeploymentSpec, frame: InstancePlan) -> dict[Role, AFDConfig]:
+    """The AFDConfig of each role in the instance `frame` (`instance_frame`). Every pod of a
+    role is started with the same one: its ranks find their place in the world from the
+    command line."""
+    return {role: afd_config(spec, role, frame.head_host, frame.ports.connector) for role in ("attention", "ffn")}
 
 
 def instance_frame(spec: AFDDeploymentSpec, name: str, namespace: str, revision: str, index: int) -> InstancePlan:
-    """Instance `index` without its pods: what its Service, PDB and NetworkPolicy need."""
+    """Instance `index` without its pods: what its Service, PDB, NetworkPolicy and PodGroup need."""
     return InstancePlan(index=index, name=naming.instance_name(name, revision, index),
                         head_host=head_host(spec, name, namespace, revision, index),
                         ports=instance_ports(spec, index), pods=())
 
 
-def plan_instance(spec: AFDDeploymentSpec, name: str, namespace: str, revision: str, index: int) -> InstancePlan:
+def plan_pods(spec: AFDDeploymentSpec, name: str, revision: str, frame: InstancePlan) -> InstancePlan:
+    """The instance `frame` with its pods."""
     att, ffn = attention_layout(spec), ffn_layout(spec)
-    frame = instance_frame(spec, name, namespace, revision, index)
-    configs = role_configs(spec, name, namespace, revision, index)
+    configs = role_configs(spec, frame)
+    index = frame.index
     # FFN pods first: with startup order FFNFirst they are created first.
     pods = [_ffn_pod(spec, name, revision, index, k, ffn, att.ranks, frame.ports, configs["ffn"])
             for k in range(ffn.pods)]
     pods += [_attention_pod(spec, name, revision, index, k, att, frame.head_host, frame.ports, configs["attention"])
              for k in range(att.pods)]
     return replace(frame, pods=tuple(pods))
+
+
+def plan_instance(spec: AFDDeploymentSpec, name: str, namespace: str, revision: str, index: int) -> InstancePlan:
+    return plan_pods(spec, name, revision, instance_frame(spec, name, namespace, revision, index))
 
 
 def plan(

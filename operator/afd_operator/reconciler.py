@@ -29,7 +29,6 @@ from .observe import Observed
 from .planner import plan
 from .policy import ClusterPolicy
 from .render import owner_reference
-from .revision import revision_of
 from .status import build_status, invalid_status, records_from_status, write_failed_status, write_failure_reason
 from .validation import validate_spec
 from .writer import ApiWriteError, Writer
@@ -107,17 +106,19 @@ class Reconciler:
                                ("InvalidSpec", "; ".join(str(p) for p in problems)))
             return ReconcileResult(finished=False, next_wakeup=None)
 
-        revision = revision_of(spec)
+        # The one plan (and revision hash) of this reconciliation: the decision, every manager and
+        # the status share it.
+        current = plan(spec, t.name, t.namespace, indices=[])
         observed = replace(observed, pods=t.memory.intents.overlay(observed.pods, now))
-        decision = decide(spec, t.name, revision, observed.pods, records_from_status(t.previous), now, deleting,
-                          layouts(observed), drain_probe.idle_heads(observed))
+        decision = decide(spec, t.name, current.revision, observed.pods, records_from_status(t.previous), now,
+                          deleting, layouts(observed), drain_probe.idle_heads(observed))
         for action in decision.actions:
             log.info("%s/%s: %s", t.namespace, t.name, action)
         if decision.actions:
             log.debug("%s/%s observed pods: %s", t.namespace, t.name,
                       [(p.name, p.phase, p.ready, p.deleting) for p in observed.pods])
 
-        current_round = Round(writer=self.writer, spec=spec, plan=plan(spec, t.name, t.namespace, indices=[]),
+        current_round = Round(writer=self.writer, spec=spec, plan=current,
                               owner=owner_reference(t.name, t.body["metadata"]["uid"]), observed=observed,
                               decision=decision, memory=t.memory, now=now, deleting=deleting, policy=self.policy)
         for manager in self.managers:
@@ -131,7 +132,7 @@ class Reconciler:
 
         # Written while deleting too: the instances' phases show the teardown, and the next
         # round starts from them, so each phase change is announced once.
-        self._write_status(t, build_status(t.name, spec, revision, decision, observed.pods, t.previous,
+        self._write_status(t, build_status(t.name, spec, current.revision, decision, observed.pods, t.previous,
                                            t.generation, now, self.policy.network))
         self.metrics.record_decision(t.namespace, t.name, decision)
         return ReconcileResult(finished=False, next_wakeup=decision.next_wakeup)

@@ -403,7 +403,7 @@ def covers_pods(spec: AFDDeploymentSpec, network: NetworkIsolation) -> bool:
 def render_pod_group(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, owner: Optional[Obj] = None) -> Obj:
     labels = _merge_labels(naming.base_labels(plan.name, "instance"),
                            naming.instance_labels(plan.name, plan.revision, instance.index))
-    group_spec: Obj = {"minMember": len(instance.pods)}
+    group_spec: Obj = {"minMember": plan.pods_per_instance}
     if spec.scheduling.gang.queue:
         group_spec["queue"] = spec.scheduling.gang.queue
     if spec.scheduling.priority_class_name:

@@ -1,25 +1,28 @@
 """AFDDeployment status: computed from a decision (pure), written by one function elsewhere.
 
-Conditions follow the Kubernetes convention: the full list every time (kopf/JSON merge
-patches replace lists whole), `lastTransitionTime` kept while a condition's status stays
-the same, `observedGeneration` on each. `ApiWriteFailed` is there only while the API
-refuses a write (like a Deployment's `ReplicaFailure`).
+Built through the API's status models (api.py, which also give the CRD its status schema) and
+written as they serialize, so a condition type outside `ConditionType`, or any field the
+models do not hold, fails here instead of reaching the API. Conditions follow the Kubernetes
+convention: the full list every time (kopf/JSON merge patches replace lists whole),
+`lastTransitionTime` kept while a condition's status stays the same, `observedGeneration` on
+each. `ApiWriteFailed` is there only while the API refuses a write (like a Deployment's
+`ReplicaFailure`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional
 
+from pydantic import ValidationError
+
 from . import naming
-from .api import AFDDeploymentSpec, Phase
+from .api import AFDDeploymentSpec, AFDDeploymentStatus, Condition, ConditionType, InstanceStatus, Phase
 from .controller import Decision, InstanceRecord
 from .observe import ObservedPod, format_time, parse_time
 from .planner import rollout_budget, topology_string, uses_host_network
 from .policy import NetworkIsolation
 from .validation import Problem
 from .writer import ApiWriteError
-
-API_WRITE_FAILED = "ApiWriteFailed"
 
 
 def records_from_status(status: Optional[Mapping[str, Any]]) -> list[InstanceRecord]:
@@ -39,36 +42,45 @@ def records_from_status(status: Optional[Mapping[str, Any]]) -> list[InstanceRec
     return records
 
 
-def _condition(previous: Mapping[str, Mapping[str, Any]], kind: str, ok: bool, reason: str, message: str,
-               generation: Optional[int], now: float) -> dict[str, Any]:
+def _wire(status: AFDDeploymentStatus) -> dict[str, Any]:
+    """The status as it is written. None is left out (a null deletes the key through the merge
+    patch, and an empty message travels as null through the client's), and so is a field
+    neither set here nor read from the previous status: a status that stands keeps its keys."""
+    return status.model_dump(mode="json", by_alias=True, exclude_none=True, exclude_unset=True)
+
+
+def _previous_conditions(previous: Mapping[str, Any]) -> dict[ConditionType, Condition]:
+    """The previous status's conditions by type; one the model cannot read is written afresh."""
+    conditions: dict[ConditionType, Condition] = {}
+    for item in previous.get("conditions") or []:
+        try:
+            condition = Condition.model_validate(item)
+        except ValidationError:
+            continue
+        conditions[condition.type] = condition
+    return conditions
+
+
+def _condition(previous: Mapping[ConditionType, Condition], kind: ConditionType, ok: bool, reason: str,
+               message: str, generation: Optional[int], now: float) -> Condition:
     status = "True" if ok else "False"
     before = previous.get(kind)
-    changed = before is None or before.get("status") != status
-    condition = {
-        "type": kind,
-        "status": status,
-        "reason": reason,
-        "lastTransitionTime": format_time(now) if changed else before.get("lastTransitionTime") or format_time(now),
-        "observedGeneration": generation,
-    }
-    if message:  # an empty string would travel as null through the client's merge patch
-        condition["message"] = message
-    return condition
+    changed = before is None or before.status != status
+    return Condition(
+        type=kind, status=status, reason=reason, message=message or None,
+        last_transition_time=format_time(now) if changed else before.last_transition_time or format_time(now),
+        observed_generation=generation,
+    )
 
 
-def _instance_status(rec: InstanceRecord, pods_ready: int, pods_total: int) -> dict[str, Any]:
-    item: dict[str, Any] = {
-        "name": rec.name, "index": rec.index, "revision": rec.revision, "phase": rec.phase,
-        "podsReady": pods_ready, "podsTotal": pods_total, "restarts": rec.restarts,
-        "consecutiveFailures": rec.consecutive_failures,
-    }
-    if rec.last_failure:
-        item["lastFailure"] = rec.last_failure
-    if rec.retry_after is not None:
-        item["retryAfter"] = format_time(rec.retry_after)
-    if rec.first_ready is not None:
-        item["firstReadyTime"] = format_time(rec.first_ready)
-    return item
+def _instance_status(rec: InstanceRecord, pods_ready: int, pods_total: int) -> InstanceStatus:
+    return InstanceStatus(
+        name=rec.name, index=rec.index, revision=rec.revision, phase=rec.phase,
+        pods_ready=pods_ready, pods_total=pods_total, restarts=rec.restarts,
+        consecutive_failures=rec.consecutive_failures, last_failure=rec.last_failure or None,
+        retry_after=None if rec.retry_after is None else format_time(rec.retry_after),
+        first_ready_time=None if rec.first_ready is None else format_time(rec.first_ready),
+    )
 
 
 def _pod_counts(pods: Iterable[ObservedPod]) -> dict[str, tuple[int, int]]:
@@ -103,7 +115,7 @@ def build_status(
     network: NetworkIsolation = NetworkIsolation(),
 ) -> dict[str, Any]:
     previous = previous or {}
-    prev_conditions = {c.get("type"): c for c in previous.get("conditions") or []}
+    prev_conditions = _previous_conditions(previous)
     records = decision.instances
     pod_counts = _pod_counts(pods)
     live = [r for r in records if r.phase != Phase.DRAINING]
@@ -125,41 +137,47 @@ def build_status(
         ready_reason, ready_msg = "InstancesNotReady", f"{len(ready)}/{spec.replicas} instances Ready"
     available = len(ready) >= floor
     conditions = [
-        _condition(prev_conditions, "Ready", is_ready, ready_reason, ready_msg, generation, now),
-        _condition(prev_conditions, "Available", available,
+        _condition(prev_conditions, ConditionType.READY, is_ready, ready_reason, ready_msg, generation, now),
+        _condition(prev_conditions, ConditionType.AVAILABLE, available,
                    "MinimumInstancesReady" if available else "TooFewInstancesReady",
                    f"{len(ready)} Ready, at least {floor} required", generation, now),
-        _condition(prev_conditions, "Progressing", decision.rollout_in_progress,
+        _condition(prev_conditions, ConditionType.PROGRESSING, decision.rollout_in_progress,
                    decision.progress_reason, decision.progress_message or f"revision {revision} rolled out",
                    generation, now),
-        _condition(prev_conditions, "Degraded", bool(decision.degraded),
+        _condition(prev_conditions, ConditionType.DEGRADED, bool(decision.degraded),
                    "InstancesDown" if decision.degraded else "AsExpected", "; ".join(decision.degraded),
                    generation, now),
-        _condition(prev_conditions, "ConfigValid", True, "Valid", "", generation, now),
-        _condition(prev_conditions, "NetworkIsolated", *isolation(spec, network), generation, now),
+        _condition(prev_conditions, ConditionType.CONFIG_VALID, True, "Valid", "", generation, now),
+        _condition(prev_conditions, ConditionType.NETWORK_ISOLATED, *isolation(spec, network), generation, now),
     ]
-    return {
-        "observedGeneration": generation,
-        "replicas": len(live),
-        "readyReplicas": len(ready),
-        "updatedReplicas": len(updated),
-        "currentRevision": current_revision,
-        "updateRevision": revision,
-        "topology": topology_string(spec),
-        "instances": [_instance_status(r, *pod_counts.get(r.name, (0, 0))) for r in records],
-        "conditions": conditions,
-        "selector": f"{naming.LABEL_DEPLOYMENT}={name},{naming.LABEL_HEAD}=true",
-    }
+    return _wire(AFDDeploymentStatus(
+        observed_generation=generation,
+        replicas=len(live),
+        ready_replicas=len(ready),
+        updated_replicas=len(updated),
+        current_revision=current_revision,
+        update_revision=revision,
+        topology=topology_string(spec),
+        instances=[_instance_status(r, *pod_counts.get(r.name, (0, 0))) for r in records],
+        conditions=conditions,
+        selector=f"{naming.LABEL_DEPLOYMENT}={name},{naming.LABEL_HEAD}=true",
+    ))
 
 
-def _with_condition(previous: Optional[Mapping[str, Any]], kind: str, ok: bool, reason: str, message: str,
-                    generation: Optional[int], now: float) -> dict[str, Any]:
-    """The previous status with one condition set: what a reconciliation that changed nothing reports."""
-    status = dict(previous or {})
-    prev_conditions = {c.get("type"): c for c in status.get("conditions") or []}
-    conditions = [c for c in status.get("conditions") or [] if c.get("type") != kind]
-    conditions.append(_condition(prev_conditions, kind, ok, reason, message, generation, now))
-    status["conditions"] = conditions
+def _with_condition(previous: Optional[Mapping[str, Any]], kind: ConditionType, ok: bool, reason: str,
+                    message: str, generation: Optional[int], now: float) -> AFDDeploymentStatus:
+    """The previous status with one condition set: what a reconciliation that changed nothing
+    reports. The previous status is normally one these models wrote (the CRD's schema, generated
+    from them, prunes anything else), so it is read whole; one stored under another version's
+    schema keeps only its conditions rather than stopping the reconciliation."""
+    previous = previous or {}
+    prev_conditions = _previous_conditions(previous)
+    try:
+        status = AFDDeploymentStatus.model_validate({**previous, "conditions": []})
+    except ValidationError:
+        status = AFDDeploymentStatus()
+    status.conditions = [c for c in prev_conditions.values() if c.type != kind]
+    status.conditions.append(_condition(prev_conditions, kind, ok, reason, message, generation, now))
     return status
 
 
@@ -167,8 +185,9 @@ def invalid_status(problems: list[Problem], previous: Optional[Mapping[str, Any]
                    now: float) -> dict[str, Any]:
     """An invalid spec changes nothing in the cluster; only ConfigValid says why."""
     message = "; ".join(str(p) for p in problems)
-    return {**_with_condition(previous, "ConfigValid", False, "InvalidSpec", message, generation, now),
-            "observedGeneration": generation}
+    status = _with_condition(previous, ConditionType.CONFIG_VALID, False, "InvalidSpec", message, generation, now)
+    status.observed_generation = generation
+    return _wire(status)
 
 
 def write_failure_reason(err: ApiWriteError) -> str:
@@ -181,4 +200,5 @@ def write_failed_status(err: ApiWriteError, previous: Optional[Mapping[str, Any]
     """A refused write: the previous status stands (the decision was not carried out), and
     ApiWriteFailed (True) says what the API refused; the next reconciliation retries, and
     build_status, which the first one whose writes all succeed reports, has no such condition."""
-    return _with_condition(previous, API_WRITE_FAILED, True, write_failure_reason(err), str(err), generation, now)
+    return _wire(_with_condition(previous, ConditionType.API_WRITE_FAILED, True, write_failure_reason(err), str(err),
+                                 generation, now))

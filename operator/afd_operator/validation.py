@@ -25,10 +25,11 @@ from . import kube_rules, naming
 from .api import (MAX_REPLICAS, MAX_ROLE_RANKS, RESOURCE_NAMES, AFDDeployment, AFDDeploymentSpec, EnvVar,
                   PodTemplateOverrides, ResourceRequirements)
 from .kube_rules import quantity_value
-from .planner import (ASCEND_HOST_VOLUME, HCCN_VOLUME, MODEL_VOLUME, attention_layout, ffn_layout, instance_ports,
-                      operator_mounts, role_configs, rollout_budget, spec_stage_limit, uses_host_network)
+from .planner import (ASCEND_HOST_VOLUME, HCCN_VOLUME, MODEL_VOLUME, attention_layout, ffn_layout, instance_frame,
+                      instance_ports, operator_mounts, role_configs, rollout_budget, spec_stage_limit,
+                      uses_host_network)
 from .policy import UNCHECKED_HOST_ACCESS, ClusterPolicy, HostAccess, under
-from .revision import REVISION_LENGTH, revision_of
+from .revision import REVISION_LENGTH
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,10 @@ PORT_MAX = 65535
 MAX_INDEX = 2 * MAX_REPLICAS - 1
 # Pods one deployment may ask for (replicas x pods per instance).
 MAX_DEPLOYMENT_PODS = 8192
+# Stands in for the spec's revision in the names and hosts checked here: a revision is always
+# REVISION_LENGTH characters that DNS names allow, so every rule below, the plugin's included,
+# answers the same for any of them, and validating never hashes the spec.
+ANY_REVISION = "x" * REVISION_LENGTH
 # The raw object: nesting, values visited (aliases of a YAML file count each time they are
 # reached) and string length. The API server takes at most 3 MiB per request.
 MAX_DEPTH = 32
@@ -397,7 +402,7 @@ def _check_names(name: str, spec: AFDDeploymentSpec) -> list[Problem]:
     if problem:
         return [Problem("metadata.name", problem)]
     longest_ordinal = max(attention_layout(spec).pods, ffn_layout(spec).pods) - 1
-    longest = naming.pod_name(name, "x" * REVISION_LENGTH, MAX_INDEX, "attention", longest_ordinal)
+    longest = naming.pod_name(name, ANY_REVISION, MAX_INDEX, "attention", longest_ordinal)
     if len(longest) > naming.DNS_LABEL_MAX:
         allowed = len(name) - (len(longest) - naming.DNS_LABEL_MAX)
         return [Problem(
@@ -432,13 +437,12 @@ def _spec_path(block_path: str) -> str:
 def _check_plugin_config(spec: AFDDeploymentSpec, name: str, namespace: str, max_index: int) -> list[Problem]:
     """The configs the planner gives the pods (the plugin's own parser builds them, and the
     rendered block is exactly what that parser reads back in the pod, so a spec refused here is
-    one the pods would refuse, and no other). Instances differ only in the head's host name and
-    the ports, both largest at the last index: the first and the last instance that may exist
-    at once stand for all of them."""
-    revision = revision_of(spec)
+    one the pods would refuse, and no other). Instances differ only in the head's host name (its
+    revision part is ANY_REVISION here) and the ports, both largest at the last index: the first
+    and the last instance that may exist at once stand for all of them."""
     for index in sorted({0, max_index}):
         try:
-            role_configs(spec, name, namespace, revision, index)
+            role_configs(spec, instance_frame(spec, name, namespace, ANY_REVISION, index))
         except AFDConfigError as err:
             return [Problem(_spec_path(err.path), f"the plugin refuses it: {err}")]
     return []

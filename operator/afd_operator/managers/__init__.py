@@ -26,7 +26,7 @@ class Round:
 
     writer: Writer
     spec: AFDDeploymentSpec
-    plan: Plan  # the current revision (no instance planned: managers plan the ones they need)
+    plan: Plan  # the current revision, planned once per reconciliation (its instances: current_instances)
     owner: Mapping[str, Any]
     observed: Observed
     decision: Decision
@@ -44,10 +44,12 @@ class Round:
     def live_instances(self) -> set[str]:
         return {r.name for r in self.decision.instances}
 
-    def current_instances(self) -> list[InstancePlan]:
-        """The live instances of the current revision, without their pods."""
-        return [instance_frame(self.spec, self.plan.name, self.plan.namespace, rec.revision, rec.index)
-                for rec in self.decision.instances if rec.revision == self.plan.revision]
+    @cached_property
+    def current_instances(self) -> tuple[InstancePlan, ...]:
+        """The live instances of the current revision, without their pods: framed once, for
+        every manager (the pods manager plans the pods of those it creates)."""
+        return tuple(instance_frame(self.spec, self.plan.name, self.plan.namespace, rec.revision, rec.index)
+                     for rec in self.decision.instances if rec.revision == self.plan.revision)
 
 
 class ChildManager(Protocol):

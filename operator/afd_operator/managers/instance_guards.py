@@ -25,12 +25,12 @@ class _PerInstance:
         seen = {o.name: o for o in r.observed.objects if o.kind == self.kind}
         wanted: set[str] = set()
         if not r.deleting:
-            for instance in r.current_instances():
+            for instance in r.current_instances:
                 desired = self.desired(r, instance)
                 if desired is not None:
                     ensure(r.writer, desired, as_observed(seen.get(instance.name)))
                     wanted.add(instance.name)
-        current = {i.name for i in r.current_instances()}
+        current = {i.name for i in r.current_instances}
         live = r.live_instances()
         for name in seen:
             # Gone instances, the current revision's when not wanted any more, and anything of the

@@ -5,7 +5,6 @@ reads nothing."""
 from __future__ import annotations
 
 from ..observe import Observed
-from ..planner import plan_instance
 from ..render import render_pod_group
 from ..writer import Writer
 from . import Round
@@ -17,10 +16,9 @@ class PodGroupManager:
     def sync(self, r: Round) -> None:
         known = r.memory.pod_groups
         if not r.deleting and r.spec.scheduling.gang.provider == "volcano":
-            for rec in r.decision.instances:
-                if rec.revision != r.plan.revision or rec.name in known:
+            for instance in r.current_instances:
+                if instance.name in known:
                     continue
-                instance = plan_instance(r.spec, r.plan.name, r.plan.namespace, rec.revision, rec.index)
                 if r.writer.get(API_VERSION, KIND, r.plan.namespace, instance.name) is None:
                     r.writer.create(render_pod_group(r.spec, r.plan, instance, r.owner))
                 known.add(instance.name)

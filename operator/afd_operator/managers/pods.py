@@ -6,7 +6,7 @@ from __future__ import annotations
 from .. import naming
 from ..controller import CreatePods, DeletePods, SetServing, StartDrain
 from ..observe import Observed, format_time, parse_time, summarize_pod
-from ..planner import plan_instance
+from ..planner import plan_pods
 from ..render import render_pod, role_pieces
 from ..writer import Writer
 from . import Round
@@ -15,11 +15,12 @@ from . import Round
 class PodManager:
     def sync(self, r: Round) -> None:
         intents, ns, now = r.memory.intents, r.plan.namespace, r.now
+        frames = {frame.index: frame for frame in r.current_instances}
         for action in r.decision.actions:
             match action:
                 case CreatePods(revision=revision, index=index, role=role):
                     assert revision == r.plan.revision, "only the current revision is ever created"
-                    instance = plan_instance(r.spec, r.plan.name, ns, revision, index)
+                    instance = plan_pods(r.spec, r.plan.name, revision, frames[index])
                     pieces = role_pieces(r.spec, role)
                     bodies = [render_pod(r.spec, r.plan, instance, pod, r.owner, pieces)
                               for pod in instance.pods_of(role)]  # type: ignore[arg-type]

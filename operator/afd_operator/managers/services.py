@@ -17,7 +17,7 @@ class ServiceManager:
         if not r.deleting:
             api = r.shared["Service"]
             ensure(r.writer, api, as_observed(services.get(api["metadata"]["name"])))
-            for instance in r.current_instances():
+            for instance in r.current_instances:
                 desired = render_instance_service(r.spec, r.plan, instance, r.owner)
                 ensure(r.writer, desired, as_observed(services.get(instance.name)))
         for o in services.values():
