@@ -74,9 +74,10 @@ class SharedExpertsConfig:
 
 # Below these step sizes a step runs as one stage whatever num_stages says: each micro-batch
 # costs both sides a fixed amount (launches, messages, a pass over the expert weights), which a
-# small step cannot win back (docs/benchmarks.md, "Where stages pay").
-DEFAULT_MIN_SPLIT_DECODE_TOKENS = 32
-DEFAULT_MIN_SPLIT_PREFILL_TOKENS = 512
+# small step cannot win back. Measured with vllm serve (docs/benchmarks.md, "Where stages pay"):
+# every step split paid at 64 requests (64-token decodes, 2048-token prefills) and not at 16 or 32.
+DEFAULT_MIN_SPLIT_DECODE_TOKENS = 64
+DEFAULT_MIN_SPLIT_PREFILL_TOKENS = 1024
 
 
 @dataclass(frozen=True)
