@@ -207,7 +207,8 @@ def test_completion_through_the_service_equals_plain_vllm(real_node: RealNode, s
     assert svc["type"] == "ClusterIP" and svc["clusterIP"] == host
     # The ClusterIP exists only in kube-proxy's rules: this request goes through them.
     assert complete(host, port, NAME) == plain_vllm
-    # Four at once: steps can hold more than one request, which the default 2 stages split.
+    # Four at once: steps hold more than one request (the default 2 stages split only steps of at
+    # least spec.async.minSplitTokens tokens, so these run whole).
     with ThreadPoolExecutor(4) as pool:
         assert list(pool.map(lambda _: complete(host, port, NAME), range(4))) == [plain_vllm] * 4
 
