@@ -29,11 +29,13 @@ EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
 #   unit           none of these.
 # README.md ("Test tiers") has each tier's command and time.
 WHOLE_MACHINE_MODULES = ("tests/plugin/test_vllm_e2e_offline.py", "tests/plugin/test_vllm_ffn_multi_rank.py",
-                         "tests/plugin/test_vllm_serve_e2e.py", "tests/realnode/")
+                         "tests/plugin/test_vllm_model_families.py", "tests/plugin/test_vllm_serve_e2e.py",
+                         "tests/realnode/")
 # Modules that run the vLLM venv's python (the whole-machine ones among them).
 VLLM_MODULES = ("tests/plugin/test_vllm_ascend_context.py", "tests/plugin/test_vllm_cpu_patches.py",
                 "tests/plugin/test_vllm_e2e_offline.py", "tests/plugin/test_vllm_ffn_experts.py",
-                "tests/plugin/test_vllm_ffn_multi_rank.py", "tests/plugin/test_vllm_serve_e2e.py",
+                "tests/plugin/test_vllm_ffn_multi_rank.py", "tests/plugin/test_vllm_model_families.py",
+                "tests/plugin/test_vllm_model_support.py", "tests/plugin/test_vllm_serve_e2e.py",
                 "tests/plugin/test_vllm_stage_glue.py")
 WHOLE_MACHINE_SCOPE = "whole-machine"
 NO_VLLM_VENV = ('needs the vLLM venv: set AFD_VLLM_PYTHON="$(scripts/vllm-env.sh)/bin/python" '

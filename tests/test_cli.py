@@ -133,3 +133,41 @@ def test_validate_reports_what_the_plugin_refuses(tmp_path: Path, examples: list
         f"{bad}: spec.connector.extraConfig.foo: the plugin refuses it: afd.connector_extra_config.foo: "
         "unknown key; allowed: attn_ranks_per_dp, dynamicQuant, data_plane (got 'bar')"]
     assert run("render", "-f", str(bad))[0] == 1  # nothing is rendered for it either
+
+
+def with_model(examples: list[Path], tmp_path: Path, checkpoint: Path, **model) -> Path:
+    """cpu-tiny.yaml with its model read from ``checkpoint`` through a hostPath volume."""
+    doc = yaml.safe_load(next(p for p in examples if p.name == "cpu-tiny.yaml").read_text())
+    doc["spec"]["model"].update(path=f"/models/{checkpoint.name}",
+                                volume={"hostPath": str(checkpoint.parent), "mountPath": "/models"}, **model)
+    path = tmp_path / f"{checkpoint.name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_validate_reads_the_checkpoints_config_where_it_is_readable(tmp_path: Path, examples: list[Path]) -> None:
+    """The same answer the pods give at start (the plugin's moe_spec): a model the plugin cannot
+    serve, experts that do not split over the FFN ranks, a wrong routedExperts; a model
+    without shared experts gets a note that the placement does not apply."""
+    from afd_devcluster.checkpoints import model_config, write_config_checkpoint
+
+    mixtral = write_config_checkpoint(tmp_path / "mixtral", {**model_config("qwen2_moe"), "model_type": "mixtral"})
+    code, out, err = run("validate", "-f", str(with_model(examples, tmp_path, mixtral)))
+    assert (code, out) == (1, "")
+    assert "spec.model.path: " in err and "model_type must be one of" in err and "(got 'mixtral')" in err
+
+    six = write_config_checkpoint(tmp_path / "kimi-6", model_config("kimi_k2", experts=6))
+    code, _, err = run("validate", "-f", str(with_model(examples, tmp_path, six, routedExperts=8)))
+    assert code == 1
+    assert "spec.model.routedExperts: the checkpoint" in err and "has 6 routed experts; got 8" in err
+    five = write_config_checkpoint(tmp_path / "kimi-5", model_config("kimi_k2", experts=5))
+    code, _, err = run("validate", "-f", str(with_model(examples, tmp_path, five)))
+    assert code == 1 and "spec.ffn.ranks: must divide the checkpoint's 5 routed experts" in err
+
+    qwen3 = write_config_checkpoint(tmp_path / "qwen3", model_config("qwen3_moe", experts=8))
+    source = with_model(examples, tmp_path, qwen3)
+    code, out, err = run("validate", "-f", str(source))
+    assert (code, err) == (0, "")
+    assert f"checkpoint {qwen3 / 'config.json'}" in out
+    assert (f"{source}: note: spec.sharedExperts.placement: not applicable: qwen3_moe has no shared experts"
+            in out)

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Optional, TextIO
 import yaml
 
 from .api import AFDDeployment
+from .checkpoint import check_checkpoint
 from .crd import crd_yaml
 from .documents import MAX_FILE_BYTES, read_documents
 from .planner import Plan, plan
@@ -125,8 +126,15 @@ def _cmd_validate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     loaded = load_documents(args.filename, _policy(args))
     if not _report(loaded, err):
         return EXIT_INVALID
-    for item in loaded:
-        print(f"{item.source}: valid ({item.obj.metadata.namespace}/{item.obj.metadata.name})", file=out)
+    # The model's own config.json, where a copy is readable here: what the pods would refuse.
+    checked = [(item, check_checkpoint(item.obj.spec)) for item in loaded]
+    if not _report([Loaded(item.source, item.obj, report.problems) for item, report in checked], err):
+        return EXIT_INVALID
+    for item, report in checked:
+        against = f"; checkpoint {report.config}" if report.config else ""
+        print(f"{item.source}: valid ({item.obj.metadata.namespace}/{item.obj.metadata.name}{against})", file=out)
+        for note in report.notes:
+            print(f"{item.source}: note: {note}", file=out)
     return EXIT_OK
 
 

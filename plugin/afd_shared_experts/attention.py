@@ -38,7 +38,8 @@ class PendingCombine:
 
 
 class RemoteMoE:
-    """One MoE layer's routed (and, under placement 'ffn', shared) experts on FFN ranks.
+    """One MoE layer's routed (and, under placement 'ffn', shared) experts on FFN ranks. A model
+    without a shared expert runs under placement 'none': routed rows only, whatever was asked.
 
     Dispatch and combine are tensor operations on the input's device with shapes that depend
     only on the token count: no host sync and no data-dependent shape, so they run under a
@@ -59,6 +60,7 @@ class RemoteMoE:
         shared: SharedExpertWeights | None = None,
         metrics: RuntimeMetrics | None = None,
     ):
+        placement = spec.placement(placement)
         if placement == "attention" and shared is None:
             raise ValueError("placement 'attention' needs the shared-expert weights on the Attention rank")
         if placement == "ffn" and shared is not None:
@@ -194,7 +196,7 @@ class RemoteMoE:
         elif pending.shared_index is not None:
             shared = replies.index_select(0, pending.shared_index)
         else:
-            shared = torch.zeros(real, hidden, dtype=self.dtype, device=replies.device)
+            shared = None
         out = combine(routed_sum, shared, self.spec.routed_scaling_factor, self.dtype)
         self.connector.release(frames)  # every read of the replies is queued before this
         if started is not None:

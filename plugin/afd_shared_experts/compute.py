@@ -74,13 +74,17 @@ def shared_expert_output(x: torch.Tensor, shared: SharedExpertWeights) -> torch.
 
 
 def combine(
-    routed_sum: torch.Tensor, shared_out: torch.Tensor, routed_scaling_factor: float, dtype: torch.dtype
+    routed_sum: torch.Tensor, shared_out: torch.Tensor | None, routed_scaling_factor: float, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Final MoE output from the weighted routed sum (float32, unscaled) and S(x).
+    """Final MoE output from the weighted routed sum (float32, unscaled) and S(x) (None: the
+    model has no shared expert).
 
-    Non-fp16: r * routed + S. fp16 (vLLM's overflow guard; the model keeps its residual
-    stream scaled by 1/r): routed + S / r. Either way r is applied exactly once.
+    Non-fp16, or no shared expert: r * routed + S. fp16 with a shared expert (vLLM's overflow
+    guard; the model keeps its residual stream scaled by 1/r): routed + S / r. Either way r is
+    applied exactly once.
     """
+    if shared_out is None:
+        return (routed_sum * routed_scaling_factor).to(dtype)
     if dtype == torch.float16:
         out = routed_sum + shared_out.float() * (1.0 / routed_scaling_factor)
     else:

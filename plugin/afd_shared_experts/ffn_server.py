@@ -182,10 +182,16 @@ class FFNServer:
         select_device(resolve_device(device))
         ffn_index = args.ffn_rank_start
         started = time.monotonic()
-        experts = self._load_experts(spec, ffn_index, dtype, device)
+        requested = cfg.shared_experts.placement
+        placement = spec.placement(requested)
+        self.metrics.shared_experts_placement.labels(requested=requested, effective=placement).set(1)
+        if placement != requested:
+            logger.info("FFN rank %d: %s has no shared experts: shared_experts.placement %r does not apply "
+                        "(routed experts only)", ffn_index, spec.model_type, requested)
+        experts = self._load_experts(spec, placement, ffn_index, dtype, device)
         logger.info("FFN rank %d: loaded %d MoE layers in %.1fs (placement %s, %s expert backend, device %s)",
-                    ffn_index, len(spec.moe_layers), time.monotonic() - started, cfg.shared_experts.placement,
-                    self.expert_backend, device)
+                    ffn_index, len(spec.moe_layers), time.monotonic() - started, placement, self.expert_backend,
+                    device)
         layout = WireLayout.for_world(spec, cfg, dtype=dtype, token_budget=args.max_num_batched_tokens)
         connector = self._connect(self.world_rank, layout, device)
         if connector is None:
@@ -194,9 +200,9 @@ class FFNServer:
         logger.info("FFN rank %d (world rank %d) serving", ffn_index, self.world_rank)
         self.report_ready()
 
-    def _load_experts(self, spec, ffn_index: int, dtype: torch.dtype, device: str) -> dict[int, LayerExperts]:
+    def _load_experts(self, spec, placement: str, ffn_index: int, dtype: torch.dtype,
+                      device: str) -> dict[int, LayerExperts]:
         args, cfg = self.args, self.cfg
-        placement = cfg.shared_experts.placement
         if self.expert_backend == "vllm":
             from .vllm.ffn import build_vllm_experts
 

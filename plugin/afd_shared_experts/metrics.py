@@ -6,7 +6,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 PEER_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -73,6 +73,14 @@ class RuntimeMetrics:
             "FFN expert passes started without an expected Attention rank's rows (it sent nothing within the "
             "gather window; its rows join a later pass)",
             registry=self.registry,
+        )
+        self.shared_experts_placement = Gauge(
+            "afd_shared_experts_placement_info",
+            "Where the shared experts run: the placement requested and the one in effect ('none' for a model "
+            "without shared experts)",
+            ["requested", "effective"],
+            registry=self.registry,
+            multiprocess_mode="max",
         )
         self.errors = Counter(
             "afd_errors_total",

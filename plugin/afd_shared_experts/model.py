@@ -1,139 +1,34 @@
-"""MoE model description from a HF config.json, and checkpoint loading by role.
+"""Checkpoint loading by role, from a checkpoint's safetensors files.
 
-Checkpoint names follow the classic per-expert HF layout used by DeepSeek-V2/V3 and
-Qwen2-MoE checkpoints (and vLLM's loader):
-``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight``, ``mlp.gate.weight``,
-``mlp.gate.e_score_correction_bias`` (V3), ``mlp.shared_experts.*`` (DeepSeek),
-``mlp.shared_expert.*`` and ``mlp.shared_expert_gate.weight`` (Qwen2-MoE).
+Checkpoint names follow the classic per-expert HF layout of every supported family (and
+vLLM's loader): ``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight``,
+``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias`` (sigmoid-gated families),
+``mlp.shared_experts.*`` (DeepSeek, GLM-4.5), ``mlp.shared_expert.*`` and
+``mlp.shared_expert_gate.weight`` (Qwen2-MoE, Qwen3-MoE when it has one). What a checkpoint is
+(``MoESpec``, ``load_spec``) comes from ``moe_spec``; its names are importable from here too.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-GATE_SOFTMAX_GREEDY = "softmax_greedy"
-GATE_SOFTMAX_GROUP_LIMITED = "softmax_group_limited"
-GATE_SIGMOID_GROUPED = "sigmoid_grouped"
-GATE_SOFTMAX_TOPK = "softmax_topk"
+from .moe_spec import (  # noqa: F401  (re-exported: callers read a checkpoint through this module)
+    GATE_SIGMOID_GROUPED,
+    GATE_SOFTMAX_GREEDY,
+    GATE_SOFTMAX_GROUP_LIMITED,
+    GATE_SOFTMAX_TOPK,
+    PLACEMENT_NONE,
+    CheckpointError,
+    MoESpec,
+    load_spec,
+    spec_from_config,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class CheckpointError(ValueError):
-    """The checkpoint directory does not describe a supported MoE model."""
-
-
-@dataclass(frozen=True)
-class MoESpec:
-    model_type: str
-    hidden_size: int
-    moe_intermediate_size: int
-    shared_intermediate_size: int
-    num_routed_experts: int
-    top_k: int
-    gate_kind: str
-    num_groups: int
-    topk_groups: int
-    norm_topk_prob: bool
-    routed_scaling_factor: float
-    has_shared_gate: bool
-    moe_layers: tuple[int, ...]
-    quant_method: str | None = None  # config.json's quantization_config.quant_method
-
-    @property
-    def shared_prefix(self) -> str:
-        return "shared_expert" if self.model_type == "qwen2_moe" else "shared_experts"
-
-    def local_experts(self, num_ffn_ranks: int) -> int:
-        return self.num_routed_experts // num_ffn_ranks
-
-
-def _require(cfg: dict, key: str, path: Path):
-    if key not in cfg:
-        raise CheckpointError(f"{path}: config.json lacks {key!r}")
-    return cfg[key]
-
-
-def load_spec(model_dir: str | Path) -> MoESpec:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{model_dir}: no config.json (expected a HF-format checkpoint directory)")
-    cfg = json.loads(path.read_text())
-    model_type = cfg.get("model_type")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(f"{path}: hidden_act must be 'silu' (got {act!r})")
-    layers = int(_require(cfg, "num_hidden_layers", path))
-    if model_type in ("deepseek_v2", "deepseek_v3"):
-        n_routed = int(_require(cfg, "n_routed_experts", path))
-        first_dense = int(cfg.get("first_k_dense_replace", 0))
-        freq = int(cfg.get("moe_layer_freq", 1))
-        moe_layers = tuple(l for l in range(layers) if l >= first_dense and l % freq == 0)
-        n_shared = int(cfg.get("n_shared_experts") or 0)
-        if n_shared < 1:
-            raise CheckpointError(f"{path}: n_shared_experts must be >= 1 for shared-expert placement")
-        if model_type == "deepseek_v3":
-            gate_kind = GATE_SIGMOID_GROUPED
-        else:
-            method = cfg.get("topk_method", "greedy")
-            if method not in ("greedy", "group_limited_greedy"):
-                raise CheckpointError(f"{path}: topk_method must be greedy or group_limited_greedy (got {method!r})")
-            gate_kind = GATE_SOFTMAX_GREEDY if method == "greedy" else GATE_SOFTMAX_GROUP_LIMITED
-        moe_inter = int(_require(cfg, "moe_intermediate_size", path))
-        spec = MoESpec(
-            model_type=model_type,
-            hidden_size=int(_require(cfg, "hidden_size", path)),
-            moe_intermediate_size=moe_inter,
-            shared_intermediate_size=moe_inter * n_shared,
-            num_routed_experts=n_routed,
-            top_k=int(_require(cfg, "num_experts_per_tok", path)),
-            gate_kind=gate_kind,
-            num_groups=int(cfg.get("n_group") or 1),
-            topk_groups=int(cfg.get("topk_group") or 1),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-            has_shared_gate=False,
-            moe_layers=moe_layers,
-        )
-    elif model_type == "qwen2_moe":
-        step = int(cfg.get("decoder_sparse_step", 1))
-        mlp_only = set(cfg.get("mlp_only_layers") or [])
-        n_routed = int(_require(cfg, "num_experts", path))
-        moe_layers = tuple(l for l in range(layers) if l not in mlp_only and n_routed > 0 and (l + 1) % step == 0)
-        spec = MoESpec(
-            model_type=model_type,
-            hidden_size=int(_require(cfg, "hidden_size", path)),
-            moe_intermediate_size=int(_require(cfg, "moe_intermediate_size", path)),
-            shared_intermediate_size=int(_require(cfg, "shared_expert_intermediate_size", path)),
-            num_routed_experts=n_routed,
-            top_k=int(_require(cfg, "num_experts_per_tok", path)),
-            gate_kind=GATE_SOFTMAX_TOPK,
-            num_groups=1,
-            topk_groups=1,
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-            routed_scaling_factor=1.0,
-            has_shared_gate=True,
-            moe_layers=moe_layers,
-        )
-    else:
-        raise CheckpointError(f"{path}: model_type must be deepseek_v2, deepseek_v3 or qwen2_moe (got {model_type!r})")
-    if spec.top_k > spec.num_routed_experts:
-        raise CheckpointError(f"{path}: num_experts_per_tok ({spec.top_k}) exceeds the routed experts")
-    if spec.gate_kind in (GATE_SOFTMAX_GROUP_LIMITED, GATE_SIGMOID_GROUPED):
-        if spec.num_routed_experts % spec.num_groups or not 1 <= spec.topk_groups <= spec.num_groups:
-            raise CheckpointError(f"{path}: n_group must divide the routed experts and topk_group must be in [1, n_group]")
-    if not moe_layers:
-        raise CheckpointError(f"{path}: the model has no MoE layer")
-    quantization = cfg.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        spec = replace(spec, quant_method=str(method or "unknown"))
-    return spec
 
 
 @dataclass
@@ -277,6 +172,7 @@ def load_attention_weights(
 ) -> dict[int, AttentionMoEWeights]:
     require_unquantized(model_dir, spec)
     reader = CheckpointReader(model_dir)
+    placement = spec.placement(placement)
     return {
         layer: AttentionMoEWeights(
             gate=load_gate(reader, spec, layer, dtype, device),
@@ -293,6 +189,7 @@ def load_ffn_weights(
     require_unquantized(model_dir, spec)
     require_even_split(model_dir, spec, num_ffn_ranks)
     reader = CheckpointReader(model_dir)
+    placement = spec.placement(placement)
     return {
         layer: FFNMoEWeights(
             routed=load_routed_shard(reader, spec, layer, ffn_index, num_ffn_ranks, dtype, device),

@@ -57,7 +57,7 @@ class WireLayout:
     most ``min(top_k, local_experts)`` rows of it, plus one extra shared row under the contiguous
     partition (at most ceil(tokens / F) of them per rank). A reply holds the routed rows and
     the shared ones: under ``shared`` "affinity" up to one per token, under "contiguous" the
-    extra rows, under "none" (placement 'attention') none."""
+    extra rows, under "none" (placement 'attention', or a model without shared experts) none."""
 
     hidden_size: int
     dtype: torch.dtype
@@ -76,7 +76,7 @@ class WireLayout:
         return cls(hidden_size=spec.hidden_size, dtype=dtype, local_experts=spec.local_experts(cfg.num_ffn_ranks),
                    num_ffn_ranks=cfg.num_ffn_ranks, top_k=spec.top_k,
                    max_tokens=-(-token_budget // cfg.attn_ranks_per_dp),
-                   shared=shared.partition if shared.placement == "ffn" else "none")
+                   shared=shared.partition if spec.placement(shared.placement) == "ffn" else "none")
 
     def __post_init__(self):
         if self.dtype not in DTYPE_CODES:

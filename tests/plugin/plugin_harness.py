@@ -10,47 +10,52 @@ from pathlib import Path
 import torch
 
 from afd_devcluster import free_port
-from afd_shared_experts.model import DTYPES
+from afd_shared_experts.model import DTYPES, GATE_SIGMOID_GROUPED, load_spec
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
 
 
+# model_type -> (transformers module, config class, MoE module class). Kimi-K2 ships its own
+# config code; its MoE is DeepSeek-V3's, which transformers' DeepseekV3 classes compute.
+ORACLE_CLASSES = {
+    "deepseek_v2": ("deepseek_v2", "DeepseekV2Config", "DeepseekV2Moe"),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3Config", "DeepseekV3MoE"),
+    "kimi_k2": ("deepseek_v3", "DeepseekV3Config", "DeepseekV3MoE"),
+    "deepseek_v32": ("deepseek_v32", "DeepseekV32Config", "DeepseekV32MoE"),
+    "glm4_moe": ("glm4_moe", "Glm4MoeConfig", "Glm4MoeMoE"),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeSparseMoeBlock"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeSparseMoeBlock"),
+}
+
+
 def oracle_module(model_dir: Path, layer: int, dtype: str):
     """The HF transformers MoE module of ``layer`` with the checkpoint's weights."""
+    import importlib
+
     from safetensors import safe_open
-    from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(str(model_dir))
-    model_type = cfg.model_type
-    if model_type == "deepseek_v2":
-        from transformers.models.deepseek_v2 import modeling_deepseek_v2 as mod
-
-        module_cls = getattr(mod, "DeepseekV2MoE", None) or getattr(mod, "DeepseekV2Moe")
-        shared_name = "shared_experts"
-    elif model_type == "deepseek_v3":
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as module_cls
-
-        shared_name = "shared_experts"
-    else:
-        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock as module_cls
-
-        shared_name = "shared_expert"
-    module = module_cls(cfg)
+    spec = load_spec(model_dir)
+    package, config_name, module_name = ORACLE_CLASSES[spec.model_type]
+    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    configuration = importlib.import_module(f"transformers.models.{package}.configuration_{package}")
+    cfg = getattr(configuration, config_name).from_pretrained(str(model_dir))
+    module = getattr(modeling, module_name)(cfg)
     base = f"model.layers.{layer}.mlp"
     with safe_open(str(Path(model_dir) / "model.safetensors"), framework="pt") as f:
         get = f.get_tensor
         with torch.no_grad():
             module.gate.weight.copy_(get(f"{base}.gate.weight"))
-            if model_type == "deepseek_v3":
+            if spec.gate_kind == GATE_SIGMOID_GROUPED:
                 module.gate.e_score_correction_bias.copy_(get(f"{base}.gate.e_score_correction_bias"))
             for e in range(module.experts.gate_up_proj.shape[0]):
                 p = f"{base}.experts.{e}"
                 module.experts.gate_up_proj[e].copy_(torch.cat([get(f"{p}.gate_proj.weight"), get(f"{p}.up_proj.weight")]))
                 module.experts.down_proj[e].copy_(get(f"{p}.down_proj.weight"))
-            shared = getattr(module, shared_name)
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                getattr(shared, proj).weight.copy_(get(f"{base}.{shared_name}.{proj}.weight"))
-            if model_type == "qwen2_moe":
+            if spec.has_shared_experts:
+                shared = getattr(module, spec.shared_prefix)
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    getattr(shared, proj).weight.copy_(get(f"{base}.{spec.shared_prefix}.{proj}.weight"))
+            if spec.has_shared_gate:
                 module.shared_expert_gate.weight.copy_(get(f"{base}.shared_expert_gate.weight"))
     return module.to(DTYPES[dtype]).eval()
 

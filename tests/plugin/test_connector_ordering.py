@@ -196,7 +196,7 @@ def test_data_plane_is_agreed_by_the_whole_world():
 
 
 def test_connector_construction_fails_fast_on_bad_options():
-    spec = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2)
+    spec = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2, placement=lambda requested: requested)
     with pytest.raises(ValueError, match=r"data_plane must be one of auto, direct, staged \(got 'nccl'\)"):
         make_connector(spec, "ffn", 1, 1, 1, free_port(), timeout=1, data_plane="nccl")
     assert make_connector(spec, "ffn", 1, 1, 1, free_port(), timeout=1).requested_data_plane == "auto"

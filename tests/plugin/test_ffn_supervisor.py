@@ -143,6 +143,8 @@ def test_pod_metrics_sum_every_rank_and_pass_promtool(worlds, model, tmp_path):
     exposition = worlds["results"]["deepseek-v3-ascend"]["metrics"][0]
     values = samples(exposition)
     assert [values[("afd_ffn_rank_ready", (("ffn_rank", str(r)),))] for r in range(16)] == [1.0] * 16
+    # The placement asked for and the one in effect (the same: DeepSeek-V3 has shared experts).
+    assert values[("afd_shared_experts_placement_info", (("effective", "ffn"), ("requested", "ffn")))] == 1.0
     for layer in spec.moe_layers:
         # Every token's top-k routed rows and (placement 'ffn') its shared row, in each step,
         # were received by some rank of the pod: only the sum over all 16 ranks adds up.

@@ -9,16 +9,24 @@ from plugin_harness import ThreadWorld, assert_matches_oracle, oracle_outputs
 TOPOLOGIES = [(1, 1), (2, 1), (3, 2), (4, 4), (1, 4)]
 PLACEMENTS = [("ffn", "affinity"), ("ffn", "contiguous"), ("attention", "affinity")]
 MODELS = ["deepseek_v2", "deepseek_v2_group_limited", "deepseek_v3", "qwen2_moe"]
+MORE_MODELS = ["kimi_k2", "deepseek_v32", "glm4_moe", "qwen3_moe"]
+MORE_TOPOLOGIES = [(2, 1), (3, 2), (1, 4)]
 
 
 def token_counts(attention_ranks, ffn_ranks):
     return sorted({0, 1, attention_ranks - 1, ffn_ranks - 1, 7, 33, 257})
 
 
-@pytest.mark.parametrize("attention_ranks,ffn_ranks", TOPOLOGIES, ids=[f"{a}A{f}F" for a, f in TOPOLOGIES])
+# (model, Attention ranks, FFN ranks): every topology for the first families, fewer for the
+# families whose MoE reuses one of their gate kinds.
+CASES = [(m, a, f) for m in MODELS for a, f in TOPOLOGIES] + [(m, a, f) for m in MORE_MODELS for a, f in MORE_TOPOLOGIES]
+
+
 @pytest.mark.parametrize("placement,partition", PLACEMENTS, ids=["ffn-affinity", "ffn-contiguous", "attention"])
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model,attention_ranks,ffn_ranks", CASES, ids=[f"{m}-{a}A{f}F" for m, a, f in CASES])
 def test_fp32_matches_oracle_for_every_token_count(checkpoints, model, placement, partition, attention_ranks, ffn_ranks):
+    """Each family against its own transformers MoE module (Kimi-K2 against DeepSeek-V3's). Qwen3-MoE
+    has no shared expert: whatever the placement, no shared row is sent or computed."""
     model_dir = checkpoints[model]
     spec = load_spec(model_dir)
     gen = torch.Generator().manual_seed(attention_ranks * 10 + ffn_ranks)
@@ -32,17 +40,20 @@ def test_fp32_matches_oracle_for_every_token_count(checkpoints, model, placement
             again = world.run(x)
             assert all(torch.equal(actual[l], again[l]) for l in actual)
         shared_tokens = [r.shared_tokens for r in world.runtimes]
-    if placement == "ffn":
+        layout_shared = world.runtimes[0].connector.layout.shared
+    if spec.placement(placement) == "ffn":
         # Every real token's shared expert ran exactly once per layer and step.
         total = 2 * len(spec.moe_layers) * sum(token_counts(attention_ranks, ffn_ranks))
         assert sum(shared_tokens) == total
+        assert layout_shared == partition
     else:
         assert shared_tokens == [0] * ffn_ranks
+        assert layout_shared == "none"  # the frames hold no shared section either
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("placement,partition", PLACEMENTS, ids=["ffn-affinity", "ffn-contiguous", "attention"])
-@pytest.mark.parametrize("model", ["deepseek_v2", "deepseek_v3", "qwen2_moe"])
+@pytest.mark.parametrize("model", ["deepseek_v2", "deepseek_v3", "qwen2_moe", "glm4_moe", "qwen3_moe"])
 def test_half_precision_matches_oracle(checkpoints, model, placement, partition, dtype):
     model_dir = checkpoints[model]
     spec = load_spec(model_dir)

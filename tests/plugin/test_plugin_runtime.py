@@ -201,7 +201,7 @@ def _raises(fn, *args):
 
 
 def test_close_after_partial_init_is_safe():
-    spec = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2)
+    spec = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2, placement=lambda requested: requested)
     connector = make_connector(spec, "ffn", 1, 1, 1, free_port(), timeout=1)
     with pytest.raises(PeerLostError, match=r"rendezvous at 127\.0\.0\.1:\d+ for world size 2 failed"):
         connector.init()  # nobody hosts the store
@@ -216,7 +216,7 @@ def test_a_rank_waiting_since_before_rank_0_joins_within_its_window():
     previous attempt just expired must still join well inside rank 0's window; a TCPStore client
     that found nobody listening sleeps a random backoff of about its timeout (the cause of a CI
     failure: 17.8 s against rank 0's 15 s window)."""
-    spec = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2)
+    spec = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2, placement=lambda requested: requested)
     port = free_port()
     joined = {}
     give_up = time.monotonic() + 25
@@ -254,7 +254,7 @@ def test_rank_0_waits_past_the_liveness_timeout_for_an_ffn_rank_still_loading():
     liveness timeout (a CI roll: an Attention head failed its rendezvous while its FFN pods were
     loading on a busy node). Rank 0's bound is the rendezvous timeout; once the world is up,
     liveness is the short timeout again."""
-    spec = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2)
+    spec = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2, placement=lambda requested: requested)
     port = free_port()
 
     def attention_rank():
@@ -279,7 +279,7 @@ def test_rank_0_waits_past_the_liveness_timeout_for_an_ffn_rank_still_loading():
 
 
 def test_rank_0_gives_up_after_the_rendezvous_timeout():
-    spec = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2)
+    spec = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2, placement=lambda requested: requested)
     connector = make_connector(spec, "attention", 0, 1, 1, free_port(), timeout=1)
     started = time.monotonic()
     with pytest.raises(PeerLostError, match=r"for world size 2 failed within 1(\.0)?s: .*1/2 clients joined"):

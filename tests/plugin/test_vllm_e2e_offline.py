@@ -17,16 +17,15 @@ from safetensors import safe_open
 
 from afd_devcluster.checkpoints import write_vllm_checkpoint
 from afd_shared_experts.model import load_spec
-from afd_shared_experts.trace import read_traces
 from stage_traces import assert_staged_schedule
 from vllm_harness import (
     MAX_TOKENS,
     PROMPTS,
     afd_block,
+    afd_run,
     free_port,
     install_testbed_plugin,
     run_driver,
-    start_ffn_servers,
 )
 
 MODELS = ("deepseek_v2", "deepseek_v3", "qwen2_moe")
@@ -35,22 +34,6 @@ STAGES = {"ffn": 2, "attention": 1}
 COMPILED = {"enforce_eager": False, "compilation_mode": "DYNAMO_TRACE_ONCE", "cudagraph_mode": "NONE"}
 # The test bed's engines run with Dynamo off to start fast (vllm_harness.base_env); these compile.
 DYNAMO_ON = {"TORCHDYNAMO_DISABLE": "0"}
-
-
-def afd_run(model, request: dict, block: dict, root, tag: str, env: dict | None = None) -> dict:
-    """The driver as an AFD Attention side with two FFN server processes (stopped after); both
-    sides write stage traces (result["traces"]); the engine's log in result["log"]."""
-    traces = root / f"traces-{tag}"
-    servers = start_ffn_servers(model, block, root, tag=f"ffn-{tag}", trace_dir=traces)
-    try:
-        result = run_driver({**request, "additional_config": block}, root, f"afd-{tag}", trace_dir=traces, env=env)
-        result["log"] = (root / f"afd-{tag}.log").read_text(errors="replace")
-    finally:
-        for proc, _ in servers:
-            proc.stop()
-    result["ffn_logs"] = [proc.log() for proc, _ in servers]
-    result["traces"] = read_traces(traces)
-    return result
 
 
 def plain_reference(tmp_path_factory, model_type: str, seed: int):

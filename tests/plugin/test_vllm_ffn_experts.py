@@ -26,7 +26,8 @@ DRIVER = Path(__file__).resolve().parent / "vllm_ffn_experts_driver.py"
 # vLLM's CPU fused-MoE kernel tiles 2 * moe_intermediate_size by 64.
 SHAPE = dict(hidden=32, inter=32, experts=8, top_k=2, layers=2)
 # (FFN ranks, ranks built) per model type: several ranks of one process, like a multi-rank server.
-RANKS = {"deepseek_v2": (2, (0, 1)), "deepseek_v3": (4, (0, 3)), "qwen2_moe": (2, (0, 1))}
+RANKS = {"deepseek_v2": (2, (0, 1)), "deepseek_v3": (4, (0, 3)), "kimi_k2": (2, (1,)), "deepseek_v32": (2, (0,)),
+         "glm4_moe": (2, (0, 1)), "qwen2_moe": (2, (0, 1)), "qwen3_moe": (2, (1,))}
 # vLLM's CPU fp8 MoE kernel is W8A16 with 128 x 128 weight blocks.
 FP8_BLOCK = 128
 FP8_LAYER = 0
@@ -136,15 +137,17 @@ def test_vllm_backend_equals_torch_backend(vllm_run, model_type, placement):
         reference = torch_experts(load_ffn_weights(case["model"], spec, placement, case["ffn_index"],
                                                    case["num_ffn_ranks"], torch.float32))
         assert sorted(int(layer) for layer in built["layers"]) == list(spec.moe_layers)
+        # Qwen3-MoE has no shared expert: no rank holds one, whatever the placement.
+        holds_shared = spec.placement(placement) == "ffn"
         for layer, expected in reference.items():
             info = built["layers"][str(layer)]
-            assert info["holds_shared"] == (placement == "ffn") == expected.holds_shared
+            assert info["holds_shared"] == holds_shared == expected.holds_shared
             # Built through vLLM's class: a platform's registered replacement is what runs.
             assert info["routed_class"] == built["expected_routed_class"]
             assert info["quant_method"] == "UnquantizedFusedMoEMethod"
             want = expected.routed(inputs[f"{key}.routed"], case["counts"])
             assert relative_error(outputs[f"{key}.{layer}.routed"], want) <= TOLERANCE["float32"], (key, layer)
-            if placement == "ffn":
+            if holds_shared:
                 want = expected.shared(inputs[f"{key}.shared"])
                 assert relative_error(outputs[f"{key}.{layer}.shared"], want) <= TOLERANCE["float32"], (key, layer)
             else:

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from afd_devcluster import free_port
-from afd_shared_experts.trace import TRACE_DIR_ENV
+from afd_shared_experts.trace import TRACE_DIR_ENV, read_traces
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
@@ -229,6 +229,24 @@ def run_driver(request: dict, logdir: Path, name: str, timeout: float = 400, tra
     if proc.returncode != 0:
         raise AssertionError(f"driver {name} failed ({proc.returncode}):\n{log.read_text(errors='replace')[-6000:]}")
     return json.loads(out_path.read_text())
+
+
+def afd_run(model: Path, request: dict, block: dict, root: Path, tag: str, env: dict | None = None,
+            split: tuple[int, ...] | None = None) -> dict:
+    """The offline driver as an AFD Attention side with FFN server processes (two of one rank, or
+    ``split`` ranks each; stopped after); both sides write stage traces (result["traces"]); the
+    engine's log in result["log"], the servers' in result["ffn_logs"]."""
+    traces = root / f"traces-{tag}"
+    servers = start_ffn_servers(model, block, root, tag=f"ffn-{tag}", split=split, trace_dir=traces)
+    try:
+        result = run_driver({**request, "additional_config": block}, root, f"afd-{tag}", trace_dir=traces, env=env)
+        result["log"] = (root / f"afd-{tag}.log").read_text(errors="replace")
+    finally:
+        for proc, _ in servers:
+            proc.stop()
+    result["ffn_logs"] = [proc.log() for proc, _ in servers]
+    result["traces"] = read_traces(traces)
+    return result
 
 
 def post_json(port: int, path: str, body: dict, timeout: float = 120) -> dict:

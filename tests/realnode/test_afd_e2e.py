@@ -7,8 +7,10 @@
    built runtime image, they turn Ready through their own probes, and a completion sent to
    the API Service's ClusterIP (kube-proxy) equals plain vLLM's (same image, same checkpoint),
    alone and four at once;
-   a second AFDDeployment whose name extends the first's serves beside it in the namespace,
-   each Service routing only to its own head, and deleting it leaves the first untouched;
+   a second AFDDeployment whose name extends the first's serves a tiny Qwen3-MoE (no shared
+   expert: its FFN pod reports the placement as not applicable) beside it in the namespace,
+   answering like plain vLLM on that checkpoint, each Service routing only to its own head, and
+   deleting it leaves the first untouched;
 2. a bounded load generator (a completion every 5 s, model-list requests 4 times a second
    between them) runs against the Service while the AFDDeployment rolls to a new
    topology (Attention DP 2 -> 1, FFN 2 ranks in one pod -> 4 over two pods), then to a new image
@@ -51,6 +53,8 @@ NAME = "tiny"
 SECOND = NAME + "-b"
 MOUNT = "/models"
 MODEL_DIR = "tiny-deepseek-v2"
+# The second deployment's model: a family without shared experts.
+SECOND_MODEL_DIR = "tiny-qwen3-moe"
 READY_TIMEOUT_SECONDS = 900
 API_PORT = 8000
 # TORCHDYNAMO_DISABLE: vLLM 0.23's CPU sampler torch.compiles its random-sampling kernel at every
@@ -75,9 +79,11 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "afd-operator" / "d
 
 @pytest.fixture(scope="module")
 def checkpoint(real_node: RealNode) -> Path:
-    """The tiny DeepSeek-V2 checkpoint the vLLM tests use, on a host folder pods mount by hostPath."""
+    """The tiny DeepSeek-V2 and Qwen3-MoE checkpoints the vLLM tests use, on a host folder pods
+    mount by hostPath."""
     host_dir = models_dir(real_node)
     write_tiny_checkpoint(host_dir / MODEL_DIR)
+    write_tiny_checkpoint(host_dir / SECOND_MODEL_DIR, "qwen3_moe")
     return host_dir
 
 
@@ -89,15 +95,15 @@ def namespace(real_node: RealNode) -> Iterator[str]:
     real_node.kubectl("delete", "namespace", NAMESPACE, "--timeout=300s", check=False)
 
 
-@pytest.fixture(scope="module")
-def plain_vllm(real_node: RealNode, project_images: dict, checkpoint: Path, namespace: str) -> dict:
-    """Plain `vllm serve` (no afd block) in the same image, as a pod: the reference completion."""
+def plain_completion(real_node: RealNode, checkpoint: Path, namespace: str, model_dir: str) -> dict:
+    """Plain `vllm serve` (no afd block) of `model_dir` in the runtime image, as a pod: the
+    reference completion."""
     pod = {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "plain-vllm", "namespace": namespace},
         "spec": {
             "containers": [{
                 "name": "vllm", "image": RUNTIME_CPU_IMAGE,
-                "command": ["vllm", "serve", f"{MOUNT}/{MODEL_DIR}", "--served-model-name", NAME,
+                "command": ["vllm", "serve", f"{MOUNT}/{model_dir}", "--served-model-name", NAME,
                             "--port", str(API_PORT), "--dtype", "float32", "--enforce-eager",
                             "--max-model-len", "512", "--max-num-batched-tokens", "512", *KV_CACHE_ARGS],
                 # What the operator renders for a rank of a pod given 100m (planner._cpu_threads_env).
@@ -122,14 +128,19 @@ def plain_vllm(real_node: RealNode, project_images: dict, checkpoint: Path, name
         real_node.kubectl("delete", "-n", namespace, "pod", "plain-vllm", "--timeout=120s", check=False)
 
 
+@pytest.fixture(scope="module")
+def plain_vllm(real_node: RealNode, project_images: dict, checkpoint: Path, namespace: str) -> dict:
+    return plain_completion(real_node, checkpoint, namespace, MODEL_DIR)
+
+
 def afd_deployment(checkpoint: Path, namespace: str, data_parallel: int = 2, ffn_ranks: int = 2,
-                   image: str = RUNTIME_CPU_IMAGE, name: str = NAME) -> dict:
+                   image: str = RUNTIME_CPU_IMAGE, name: str = NAME, model_dir: str = MODEL_DIR) -> dict:
     return {
         "apiVersion": "afd.inference.dev/v1alpha1", "kind": "AFDDeployment",
         "metadata": {"name": name, "namespace": namespace},
         "spec": {
             "replicas": 1, "image": image, "platform": "cpu",
-            "model": {"name": NAME, "path": f"{MOUNT}/{MODEL_DIR}",
+            "model": {"name": NAME, "path": f"{MOUNT}/{model_dir}",
                       "volume": {"hostPath": str(checkpoint), "mountPath": MOUNT},
                       "routedExperts": 8, "maxModelLen": 512, "maxNumBatchedTokens": 512, "dtype": "float32"},
             "sharedExperts": {"placement": "ffn"},
@@ -230,8 +241,12 @@ def api_endpoint_pods(real_node: RealNode, name: str) -> set[str]:
 def test_a_second_deployment_whose_name_extends_the_first_serves_beside_it(real_node: RealNode, served: dict,
                                                                            checkpoint: Path,
                                                                            plain_vllm: dict) -> None:
+    """The second serves Qwen3-MoE (no shared expert; placement 'ffn' asked for): like plain vLLM
+    on that checkpoint, its FFN pod saying the placement does not apply."""
     first = {p["metadata"]["uid"] for p in afd_pods(real_node, NAMESPACE, NAME)}
-    apply(real_node, afd_deployment(checkpoint, NAMESPACE, data_parallel=1, ffn_ranks=1, name=SECOND))
+    plain_qwen3 = plain_completion(real_node, checkpoint, NAMESPACE, SECOND_MODEL_DIR)
+    apply(real_node, afd_deployment(checkpoint, NAMESPACE, data_parallel=1, ffn_ranks=1, name=SECOND,
+                                    model_dir=SECOND_MODEL_DIR))
     try:
         second_host, second_port = wait_serving(real_node, NAMESPACE, SECOND, READY_TIMEOUT_SECONDS)
         for name in (NAME, SECOND):
@@ -239,8 +254,11 @@ def test_a_second_deployment_whose_name_extends_the_first_serves_beside_it(real_
             assert len(own) == 1, own
             wait_for(lambda: api_endpoint_pods(real_node, name) == own, f"{name}'s Service routing to its head only",
                      60, interval=1)
-        assert complete(second_host, second_port, NAME) == plain_vllm
+        assert complete(second_host, second_port, NAME) == plain_qwen3
         assert complete(*served["address"], NAME) == plain_vllm
+        (ffn_pod,) = of_role(real_node, "ffn", SECOND)
+        log = real_node.kubectl("logs", "-n", NAMESPACE, ffn_pod["metadata"]["name"], check=False).stdout
+        assert "qwen3_moe has no shared experts: shared_experts.placement 'ffn' does not apply" in log
     finally:
         delete_afd(real_node, NAMESPACE, SECOND)
     after = afd_pods(real_node, NAMESPACE, NAME)
@@ -502,8 +520,8 @@ def scale_operator(real_node: RealNode, replicas: int) -> None:
              f"{replicas} operator pod(s)", 120, interval=1)
 
 
-def of_role(real_node: RealNode, role: str) -> list[dict]:
-    return [p for p in afd_pods(real_node, NAMESPACE, NAME) if p["metadata"]["labels"][LABEL + "role"] == role]
+def of_role(real_node: RealNode, role: str, name: str = NAME) -> list[dict]:
+    return [p for p in afd_pods(real_node, NAMESPACE, name) if p["metadata"]["labels"][LABEL + "role"] == role]
 
 
 def test_faults_recreate_the_instance_and_serving_returns(real_node: RealNode, served: dict,

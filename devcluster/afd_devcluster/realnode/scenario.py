@@ -55,9 +55,10 @@ def uninstall_operator(node: RealNode, helm: Helm) -> None:
     node.kubectl("delete", "namespace", RELEASE_NAMESPACE, "--timeout=120s", check=False)
 
 
-def write_tiny_checkpoint(folder: Path) -> Path:
-    """The tiny DeepSeek-V2 the vLLM tests serve too, written to `folder`; pods mount it by hostPath."""
-    return write_vllm_checkpoint(folder, "deepseek_v2")
+def write_tiny_checkpoint(folder: Path, model_type: str = "deepseek_v2") -> Path:
+    """A tiny checkpoint the vLLM tests serve too (DeepSeek-V2 unless told), written to `folder`;
+    pods mount it by hostPath."""
+    return write_vllm_checkpoint(folder, model_type)
 
 
 def complete(host: str, port: int, model: str, prompt: list[int] = PROMPT, max_tokens: int = MAX_TOKENS,

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 from typing import Any
 
 from ..config import AFDConfig, parse_afd_config
+from ..moe_spec import MoESpec, load_spec, spec_from_config
 
 SUPPORTED_VLLM_VERSION = "0.23.0"
 
@@ -74,28 +76,59 @@ def afd_config_of(vllm_config: Any) -> AFDConfig | None:
     return cfg
 
 
+def model_spec(model_config: Any) -> MoESpec:
+    """The MoE description of an engine's checkpoint: its config.json when the model is a local
+    directory (what the FFN servers read), else the config vLLM loaded."""
+    if (Path(model_config.model) / "config.json").is_file():
+        return load_spec(model_config.model)
+    return spec_from_config(model_config.hf_text_config.to_dict(), model_config.model)
+
+
 class AFDConfigHook:
-    """The ``MODELS_CONFIG_MAP`` entry of one AFD-capable architecture: vLLM 0.23.0 calls
+    """The ``MODELS_CONFIG_MAP`` entry of every architecture vLLM knows: vLLM 0.23.0 calls
     ``verify_and_update_config`` first thing in ``VllmConfig.__post_init__``, before it derives
     the compilation mode and CUDA-graph mode from ``enforce_eager`` and before the platform's
     ``check_and_update_config`` (vllm-ascend's sets up ACL graphs there). With an afd block it
-    sets the graph mode (``force_eager_for_afd``) and the worker (``install_staged_worker``) for
-    every process of the engine (the config is built once and shipped to the engine core and
-    workers). The entry in force before (none for these architectures in 0.23.0) still runs
-    first."""
+    refuses, before any process starts, a checkpoint or architecture the plugin cannot serve
+    (``require_afd_model``: an engine without its wrapper would load the model with its routed
+    experts skipped, or serve it whole without ever connecting an FFN rank), then sets the graph
+    mode (``force_eager_for_afd``) and the worker (``install_staged_worker``) for every process
+    of the engine (the config is built once and shipped to the engine core and workers). The
+    entry in force before still runs first."""
 
-    def __init__(self, upstream: Any = None):
-        self.upstream = upstream
+    def __init__(self, architecture: str, wrapped: tuple[str, ...], upstream: Any = None):
+        self.architecture, self.wrapped, self.upstream = architecture, wrapped, upstream
 
     def verify_and_update_config(self, vllm_config: Any) -> None:
         if self.upstream is not None:
             self.upstream.verify_and_update_config(vllm_config)
+        cfg = afd_config_of(vllm_config)
+        if cfg is None:
+            return
+        try:
+            require_afd_model(vllm_config, cfg, self.architecture, self.wrapped)
+        except ValueError as exc:
+            # vLLM reports a failed config inside a pydantic ValidationError after a traceback:
+            # the reason also goes out as one line of its own.
+            logger.error("afd: refused: %s", exc)
+            raise
         force_eager_for_afd(vllm_config)
         install_staged_worker(vllm_config)
 
     def verify_and_update_model_config(self, model_config: Any) -> None:
         if self.upstream is not None:
             self.upstream.verify_and_update_model_config(model_config)
+
+
+def require_afd_model(vllm_config: Any, cfg: AFDConfig, architecture: str, wrapped: tuple[str, ...]) -> None:
+    """The checkpoint's config is one the plugin serves (``model.spec_from_config``: the same
+    answer the FFN servers and ``afdctl validate`` give), its architecture has an AFD wrapper,
+    and its routed experts split evenly over the FFN ranks."""
+    spec = model_spec(vllm_config.model_config)
+    if architecture not in wrapped:
+        raise ValueError(f"afd: {vllm_config.model_config.model}: architecture {architecture} has no AFD model "
+                         f"wrapper (AFD serves {', '.join(wrapped)}); without one its MoE layers would not be remote")
+    cfg.validate_for_model(spec.num_routed_experts)
 
 
 def force_eager_for_afd(vllm_config: Any) -> None:
@@ -149,11 +182,14 @@ def install_staged_worker(vllm_config: Any) -> None:
     logger.info("afd: %d micro-batch stages per step: worker %s", cfg.num_stages, STAGED_WORKER)
 
 
-def install_config_hooks(architectures) -> None:
-    """Idempotent: every AFD-capable architecture's config entry is an ``AFDConfigHook``."""
+def install_config_hooks(wrapped_architectures) -> None:
+    """Idempotent: the config entry of every architecture vLLM knows is an ``AFDConfigHook``,
+    so an afd block on an architecture without an AFD wrapper is refused too."""
+    from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
-    for arch in architectures:
+    wrapped = tuple(wrapped_architectures)
+    for arch in sorted({*ModelRegistry.get_supported_archs(), *wrapped}):
         current = MODELS_CONFIG_MAP.get(arch)
         if not isinstance(current, AFDConfigHook):
-            MODELS_CONFIG_MAP[arch] = AFDConfigHook(current)
+            MODELS_CONFIG_MAP[arch] = AFDConfigHook(arch, wrapped, current)

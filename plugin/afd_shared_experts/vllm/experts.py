@@ -31,13 +31,12 @@ from ..attention import RemoteMoE
 from ..config import AFDConfig
 from ..connector import P2PConnector
 from ..metrics import RuntimeMetrics
-from ..model import MoESpec, SharedExpertWeights, load_spec
+from ..model import MoESpec, SharedExpertWeights
 from ..ops import RemoteLayer, register, remote_moe, set_stage_source
 from ..roles import attention_role_rank
 from ..tp import all_gather_and_trim, shard_tokens
 from ..wire import WireLayout
-from .compat import afd_config_of
-from .plugin import MODEL_WRAPPERS
+from .compat import afd_config_of, model_spec
 from .stages import current_stage, stage_yield
 
 logger = logging.getLogger(__name__)
@@ -66,6 +65,12 @@ class AttentionRank:
         cfg.validate_for_model(spec.num_routed_experts)
         self.cfg, self.spec = cfg, spec
         self.metrics = RuntimeMetrics("attention")
+        requested = cfg.shared_experts.placement
+        self.placement = spec.placement(requested)
+        self.metrics.shared_experts_placement.labels(requested=requested, effective=self.placement).set(1)
+        if self.placement != requested:
+            logger.info("afd: %s has no shared experts: shared_experts.placement %r does not apply (routed experts "
+                        "only)", spec.model_type, requested)
         # Frames sized for the engine's token budget (a TP rank dispatches its shard; a micro-batch holds less).
         layout = WireLayout.for_world(spec, cfg, dtype=vllm_config.model_config.dtype,
                                       token_budget=vllm_config.scheduler_config.max_num_batched_tokens)
@@ -88,13 +93,10 @@ _attention_rank: AttentionRank | None = None
 
 
 def attention_rank(vllm_config, cfg: AFDConfig) -> AttentionRank:
+    """The process's AttentionRank (the engine's config hook has refused what it cannot serve)."""
     global _attention_rank
     if _attention_rank is None:
-        arch = (vllm_config.model_config.architectures or ["?"])[0]
-        if arch not in MODEL_WRAPPERS:
-            raise ValueError(f"afd: model architecture {arch} is not supported (supported: "
-                             f"{', '.join(MODEL_WRAPPERS)})")
-        _attention_rank = AttentionRank(vllm_config, cfg, load_spec(vllm_config.model_config.model))
+        _attention_rank = AttentionRank(vllm_config, cfg, model_spec(vllm_config.model_config))
     return _attention_rank
 
 
@@ -143,7 +145,7 @@ class AFDFusedMoE(FusedMoE):
         layer = int(match.group(1))
         if layer not in rank.spec.moe_layers:
             raise ValueError(f"afd: vLLM built a MoE layer at {prefix} but the checkpoint's config.json has none there")
-        placement = cfg.shared_experts.placement
+        placement = rank.placement
         shared = None
         if placement == "attention":
             if shared_experts is None:

@@ -31,7 +31,7 @@ from ..model import CheckpointError, CheckpointReader, MoESpec, require_even_spl
 from .compat import SUPPORTED_VLLM_VERSION
 
 # (parameter, checkpoint projection, shard) of the merged gate_up projection, as in
-# vLLM's deepseek_v2.py / qwen2_moe.py load_weights.
+# vLLM's deepseek_v2.py / glm4_moe.py / qwen2_moe.py / qwen3_moe.py load_weights.
 STACKED_GATE_UP = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
 SHARED_MLP_PACKED_MODULES = {"gate_up_proj": ["gate_proj", "up_proj"]}
 # vLLM's uniform decode query length without speculative decoding (1 + speculative tokens):
@@ -192,7 +192,7 @@ class VllmLayerExperts:
 def _build_shared_mlp(spec: MoESpec, layer: int, quant_config) -> torch.nn.Module:
     """The model's own shared-expert module, as its MoE block builds it."""
     base = f"model.layers.{layer}.mlp"
-    if spec.model_type == "qwen2_moe":
+    if spec.has_shared_gate:  # the Qwen families: Qwen3-MoE's block builds the same Qwen2MoeMLP shape
         from vllm.model_executor.layers.linear import ReplicatedLinear
         from vllm.model_executor.models.qwen2_moe import Qwen2MoeMLP
 
@@ -200,6 +200,7 @@ def _build_shared_mlp(spec: MoESpec, layer: int, quant_config) -> torch.nn.Modul
         return Qwen2MoeMLP(hidden_size=spec.hidden_size, intermediate_size=spec.shared_intermediate_size,
                            hidden_act="silu", quant_config=quant_config, reduce_results=False, expert_gate=gate,
                            prefix=f"{base}.shared_expert")
+    # GLM-4.5's Glm4MoeMLP is the same merged gate_up / SiLU / down MLP.
     from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLP
 
     return DeepseekV2MLP(hidden_size=spec.hidden_size, intermediate_size=spec.shared_intermediate_size,
@@ -284,6 +285,7 @@ def build_vllm_experts(model_dir: str | Path, spec: MoESpec, placement: str, ffn
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     require_even_split(model_dir, spec, num_ffn_ranks)
+    placement = spec.placement(placement)
     # One VllmConfig per rank: vLLM registers each layer under its prefix in the config, and
     # the ranks of one server hold the same layers.
     vllm_config = engine_config(model_dir, dtype, quantization, max_model_len, max_num_batched_tokens)

@@ -1,9 +1,10 @@
-"""Attention-role model wrappers for DeepSeek-V2/V3 and Qwen2-MoE in vLLM 0.23.0.
+"""Attention-role model wrappers for vLLM 0.23.0's DeepSeek-V2/V3 (also Kimi-K2 and DeepSeek-V3.2),
+GLM-4.5, Qwen2-MoE and Qwen3-MoE classes.
 
 Attention, norms, dense MLPs and the gate stay local; each MoE layer's experts are the
 remote experts of ``experts.AFDFusedMoE``, built while the wrapper builds its model. The
 wrappers drop what an Attention rank must not hold and skip those checkpoint tensors: routed
-experts always, the shared expert (and Qwen2-MoE's shared-expert gate) under placement 'ffn'.
+experts always, the shared expert (and the Qwen families' shared-expert gate) under placement 'ffn'.
 Without an ``afd`` block they are the upstream classes unchanged.
 """
 
@@ -16,7 +17,9 @@ from contextlib import nullcontext
 import torch
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from vllm.model_executor.models.glm4_moe import Glm4MoeForCausalLM
 from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
 from ..model import tensor_bytes
 from .experts import AFDFusedMoE, attention_rank, remote_experts_installed
@@ -26,7 +29,7 @@ from .stages import MicroBatchRunner
 logger = logging.getLogger(__name__)
 
 ROUTED_EXPERTS = ".mlp.experts."
-# Module names of the shared expert in each supported MoE block (DeepSeek, Qwen2-MoE).
+# Module names of the shared expert in each supported MoE block (DeepSeek and GLM-4.5, the Qwen families).
 SHARED_MODULES = ("shared_experts", "shared_expert", "shared_expert_gate")
 
 
@@ -35,8 +38,8 @@ class _AFDModelMixin:
         cfg = afd_config_of(vllm_config)
         with remote_experts_installed() if cfg is not None else nullcontext():
             super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.afd_placement = None if cfg is None else cfg.shared_experts.placement
         self.afd_rank = None if cfg is None else attention_rank(vllm_config, cfg)
+        self.afd_placement = None if cfg is None else self.afd_rank.placement
         self.afd_micro_batches = MicroBatchRunner(vllm_config) if cfg is not None and cfg.num_stages > 1 else None
         if self.afd_placement == "ffn":
             for layer in self.model.layers:
@@ -94,7 +97,15 @@ class AFDDeepseekV3ForCausalLM(_AFDModelMixin, DeepseekV3ForCausalLM):
     pass
 
 
+class AFDGlm4MoeForCausalLM(_AFDModelMixin, Glm4MoeForCausalLM):
+    pass
+
+
 class AFDQwen2MoeForCausalLM(_AFDModelMixin, Qwen2MoeForCausalLM):
+    pass
+
+
+class AFDQwen3MoeForCausalLM(_AFDModelMixin, Qwen3MoeForCausalLM):
     pass
 
 

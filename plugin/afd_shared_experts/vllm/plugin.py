@@ -13,11 +13,15 @@ builds an AFD model (``vllm.experts.remote_experts_installed``), so the platform
 from __future__ import annotations
 
 # Architectures whose MoE layers hand gate, shared experts and routed experts to FusedMoE
-# in the layout the wrappers know; anything else with an afd block is refused.
+# in the layout the wrappers know; anything else with an afd block is refused
+# (``compat.AFDConfigHook``). vLLM 0.23.0 builds DeepSeek-V3.2 with its DeepseekV3ForCausalLM.
 MODEL_WRAPPERS = {
     "DeepseekV2ForCausalLM": "afd_shared_experts.vllm.models:AFDDeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "afd_shared_experts.vllm.models:AFDDeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM": "afd_shared_experts.vllm.models:AFDDeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM": "afd_shared_experts.vllm.models:AFDGlm4MoeForCausalLM",
     "Qwen2MoeForCausalLM": "afd_shared_experts.vllm.models:AFDQwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "afd_shared_experts.vllm.models:AFDQwen3MoeForCausalLM",
 }
 
 
@@ -40,8 +44,8 @@ def register() -> None:
     for arch, target in MODEL_WRAPPERS.items():
         ModelRegistry.register_model(arch, target)
     register_model_loader(LOAD_FORMAT)(AFDAttentionModelLoader)
-    # Before any VllmConfig exists: the graph mode and worker of engines with an afd block
-    # (docs/compat.md).
+    # Before any VllmConfig exists: what engines with an afd block refuse, their graph mode and
+    # worker (docs/compat.md).
     install_config_hooks(MODEL_WRAPPERS)
     # vLLM 0.23.0's CPU fused MoE cannot run SiLU without AVX512, and its CPU rotary kernel
     # mis-rotates 3-D query/key (docs/compat.md); plain models too.

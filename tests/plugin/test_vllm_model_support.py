@@ -1,0 +1,81 @@
+"""Which checkpoints an AFD Attention engine accepts, decided by vLLM 0.23.0's own engine
+config (EngineArgs.create_engine_config, no engine) with the plugin loaded: every new family
+builds an AFD engine config (DeepSeek-V3.2 too, which is not started here); a checkpoint the plugin cannot serve is refused before any
+process starts with one line naming the checkpoint's key, the same line the FFN server and
+`afdctl validate` give (``model.spec_from_config``); without an afd block nothing changes. And
+`vllm serve --load-format afd` on such a checkpoint exits with that line, never healthy."""
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from afd_devcluster.checkpoints import model_config, write_config_checkpoint
+from afd_shared_experts.model import CheckpointError, load_spec
+from vllm_harness import afd_block, base_env, free_port, install_testbed_plugin, run_driver, vllm_console_script
+
+STAGED_WORKER = "afd_shared_experts.vllm.worker.AFDCPUWorker"
+TINY = dict(hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
+            vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-6, torch_dtype="float32")
+# Checkpoints the plugin cannot serve, with the rule each one's refusal states.
+REFUSED = {
+    # Routed experts the wrappers do not know: served whole by plain vLLM, never with an afd block.
+    "mixtral": ({**TINY, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": 8,
+                 "num_experts_per_tok": 2}, r"model_type must be one of .* \(got 'mixtral'\)"),
+    # The router weight scales the expert's input.
+    "llama4": ({**TINY, "model_type": "llama4_text", "architectures": ["Llama4ForCausalLM"], "num_local_experts": 8,
+                "num_experts_per_tok": 1, "intermediate_size_mlp": 128, "head_dim": 32, "interleave_moe_layer_step": 1},
+               r"model_type 'llama4_text': its router weight scales each expert's input"),
+}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    install_testbed_plugin()
+    return tmp_path_factory.mktemp("model-support")
+
+
+def engine_config(root, model, name: str, block: dict | None) -> dict:
+    request = {"model": str(model), "config_only": True}
+    if block is not None:
+        request["additional_config"] = block
+    return run_driver(request, root, name)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "glm4_moe", "kimi_k2", "deepseek_v32"])
+def test_new_families_build_an_afd_engine_config(root, model_type):
+    model = write_config_checkpoint(root / model_type, model_config(model_type, hidden=64, inter=64, layers=2,
+                                                                    vocab_size=128))
+    config = engine_config(root, model, f"{model_type}-afd", afd_block("attention", port=free_port(), stages=2))
+    assert config["worker_cls"] == STAGED_WORKER
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_a_checkpoint_the_plugin_cannot_serve_is_refused_with_its_key_named(root, case):
+    config, rule = REFUSED[case]
+    model = write_config_checkpoint(root / case, config)
+    with pytest.raises(CheckpointError, match=rule):  # the FFN server's and afdctl's answer
+        load_spec(model)
+    with pytest.raises(AssertionError, match=rule):
+        engine_config(root, model, f"{case}-afd", afd_block("attention", port=free_port()))
+    # Plain vLLM (no afd block) builds it as before.
+    assert engine_config(root, model, f"{case}-plain", None)["worker_cls"] != STAGED_WORKER
+
+
+def test_experts_that_do_not_split_over_the_ffn_ranks_are_refused(root):
+    model = write_config_checkpoint(root / "v3-uneven", model_config("deepseek_v3", hidden=64, inter=64, experts=8))
+    with pytest.raises(AssertionError, match=r"afd.num_ffn_ranks.*must divide the model.s 8 routed experts evenly"):
+        engine_config(root, model, "uneven", afd_block("attention", port=free_port(), ffn_ranks=3))
+
+
+def test_vllm_serve_on_an_unservable_checkpoint_exits_with_the_reason(root):
+    model = write_config_checkpoint(root / "mixtral-serve", REFUSED["mixtral"][0])
+    block = afd_block("attention", port=free_port())
+    run = subprocess.run([vllm_console_script(), "serve", str(model), "--port", str(free_port()), "--load-format",
+                          "afd", "--additional-config", json.dumps(block), "--dtype", "float32",
+                          "--max-model-len", "512"], capture_output=True, text=True, env=base_env(), timeout=300)
+    assert run.returncode != 0
+    # The reason as one line of its own (besides vLLM's traceback of the failed config).
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if "afd: refused: " in line]
+    assert len(lines) == 1 and re.search(r"model_type must be one of .* \(got 'mixtral'\)$", lines[0]), lines
