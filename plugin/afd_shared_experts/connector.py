@@ -25,25 +25,23 @@ Ordering and lifetime rules:
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from .config import DATA_PLANES, DEFAULT_RENDEZVOUS_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS, AFDConfig
-from .device import device_identity, host_buffer, new_process_group, orders_on_stream, resolve_device, to_device, to_host
+from .device import host_buffer, new_process_group, orders_on_stream, resolve_device, to_device, to_host
 from .errors import AFDError, ConnectorClosedError, PairingError, PayloadError, PeerLostError
 from .metrics import RuntimeMetrics
+from .rendezvous import agree_on_world, open_store
 from .transport import (DEVICE_POLL_SECONDS, PROCESS_GROUP_TIMEOUT, RECV, SEND, WAIT_SLICE_SECONDS, WATCHER_JOIN_SECONDS, Heartbeat,
-                        InFlight, Link, P2POperation, ProcessGroupTransport, StreamOrdered, Transport,
-                        choose_data_plane, wait_for_listener)
+                        InFlight, Link, P2POperation, ProcessGroupTransport, StreamOrdered, Transport)
 from .wire import (BYTE_KINDS, KIND_SHUTDOWN, ROWS_FIELD, TAG_REPLY, TAG_WORK, DispatchTicket, FFNPayload,
                    StepCounter, WireLayout, WorkItem, check_stage, unpack_work)
 
@@ -218,15 +216,12 @@ class P2PConnector(AFDConnector):
     def init(self) -> None:
         if self._closed.is_set():
             raise ConnectorClosedError(f"rank {self.rank}: init() after close()")
-        timeout = timedelta(seconds=self.rendezvous_timeout_seconds)
         try:
-            # The store bounds the rendezvous; the process groups' own timeout would break the
-            # pairs of an FFN rank that is merely idle, so liveness is checked by heartbeats instead.
-            if self.rank != 0:
-                wait_for_listener(self.host, self.port, time.monotonic() + self.rendezvous_timeout_seconds,
-                                  self._closed)
-            self._store = dist.TCPStore(self.host, self.port, self.world_size, self.rank == 0, timeout)
-            self.data_plane = self._agree_on_data_plane()
+            # Liveness afterwards is checked by heartbeats (rendezvous.py: why not the groups' timeout).
+            self._store = open_store(self.host, self.port, self.rank, self.world_size,
+                                     self.rendezvous_timeout_seconds, self._closed)
+            self.data_plane = agree_on_world(self._store, self.rank, self.world_size, self.requested_data_plane,
+                                             self.device, self.layout)
             link_device = CPU if self._staged else self.device
             self._groups = [new_process_group(link_device, dist.PrefixStore(f"afd/{name}", self._store), self.rank,
                                               self.world_size, PROCESS_GROUP_TIMEOUT) for name in LINKS]
@@ -255,38 +250,6 @@ class P2PConnector(AFDConnector):
             self._heartbeat.monitor(list(range(self.num_attention_ranks, self.world_size)), self._peer_name,
                                     self._on_peer_lost)
         self._initialized = True
-
-    def _agree_on_data_plane(self) -> str:
-        """Every rank publishes its request, device and frame layout in the store and applies the
-        same rule to all of them, so both ends of every pair pick the same plane and frame sizes.
-        Bounded like the process groups' rendezvous: by the store (rank 0 waits for every rank)."""
-        self._store.set(f"afd/data-plane/{self.rank}", json.dumps(
-            [self.requested_data_plane, device_identity(self.device), self.layout.describe()]))
-        keys = [f"afd/data-plane/{r}" for r in range(self.world_size)]
-        self._store.wait(keys, PROCESS_GROUP_TIMEOUT)
-        published = [json.loads(self._store.get(key)) for key in keys]
-        layouts = {layout for _, _, layout in published}
-        refusal = None if len(layouts) == 1 else ValueError(
-            "AFD frame layout: every rank of the world must use the same model and "
-            f"--max-num-batched-tokens (got {' | '.join(sorted(layouts))})")
-        self._hold_store_until_all_read(refusing=refusal is not None)
-        if refusal is not None:
-            raise refusal
-        return choose_data_plane([(plane, identity) for plane, identity, _ in published])
-
-    def _hold_store_until_all_read(self, refusing: bool) -> None:
-        """Rank 0 hosts the store: it waits until every other rank has read what was published,
-        so a refusal reaches each rank as its reason rather than as a closed connection. The
-        others only report; once refusing, a report whose reply is lost (rank 0 already left,
-        which it may only do after this report arrived) changes nothing."""
-        if self.rank == 0:
-            self._store.wait([f"afd/data-plane-read/{r}" for r in range(1, self.world_size)], PROCESS_GROUP_TIMEOUT)
-            return
-        try:
-            self._store.set(f"afd/data-plane-read/{self.rank}", "1")
-        except Exception:
-            if not refusing:
-                raise
 
     def _on_peer_lost(self, error: PeerLostError) -> None:
         self._lost, self._failed = error, True
