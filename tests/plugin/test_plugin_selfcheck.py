@@ -54,7 +54,12 @@ def run_selfcheck(tmp_path, model_dir, tokens, *args, env_extra=None):
                    "--dtype", "bfloat16", "--steps", "2", "--data-plane", "direct"], "direct"),
     ("deepseek_v2_group_limited", ["--attention-ranks", "4", "--ffn-ranks", "1", "--placement", "attention",
                                    "--dtype", "float16"], "staged"),
-], ids=["staged-forced", "direct-forced", "auto"])
+    ("glm4_moe", ["--attention-ranks", "2", "--ffn-ranks", "2", "--placement", "ffn", "--partition", "affinity"],
+     "staged"),
+    # No shared expert: the placement asked for does not apply.
+    ("qwen3_moe", ["--attention-ranks", "2", "--ffn-ranks", "2", "--placement", "ffn", "--dtype", "bfloat16"],
+     "staged"),
+], ids=["staged-forced", "direct-forced", "auto", "glm4-moe", "qwen3-moe"])
 def test_selfcheck_matches_oracle(tmp_path, checkpoints, model, args, data_plane):
     model_dir = checkpoints[model]
     proc, x, out, report_path = run_selfcheck(tmp_path, model_dir, 7, *args)
@@ -74,7 +79,7 @@ def test_selfcheck_matches_oracle(tmp_path, checkpoints, model, args, data_plane
     ffn_ranks = int(args[args.index("--ffn-ranks") + 1])
     assert len(report["wall_time_per_step_seconds"]) == steps
     assert set(report["bytes_by_kind"]) == {"work", "replies"}
-    placement = args[args.index("--placement") + 1]
+    placement = spec.placement(args[args.index("--placement") + 1])  # 'none' without shared experts
     shared_total = sum(report["shared_tokens_per_ffn_rank"])
     assert shared_total == (7 * steps * len(spec.moe_layers) if placement == "ffn" else 0)
     # Work bytes: whole frames on the direct plane; on staged each frame's header and valid rows:

@@ -71,6 +71,21 @@ def test_bad_arguments_are_refused_before_any_rank_starts():
     assert "FFN rank 0: process" not in result.stderr
 
 
+def test_a_checkpoint_the_plugin_cannot_serve_ends_the_server_with_its_reason(tmp_path):
+    """The FFN server's answer is the Attention engine's and afdctl's (moe_spec): one line."""
+    from afd_devcluster.checkpoints import model_config, write_config_checkpoint
+
+    model = write_config_checkpoint(tmp_path / "mixtral", {**model_config("qwen2_moe"), "model_type": "mixtral"})
+    block = {"afd": {**FFN_BLOCK["afd"], "port": free_port()}}
+    result = subprocess.run([sys.executable, "-m", "afd_shared_experts.ffn_server",
+                             *argv(block, **{"--model": str(model), "--expert-backend": "torch",
+                                             "--health-port": str(free_port())})],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    reasons = [line for line in result.stderr.splitlines() if "model_type must be one of" in line]
+    assert len(reasons) == 1 and reasons[0].endswith("(got 'mixtral')"), result.stderr[-2000:]
+
+
 def test_npu_without_torch_npu_package(monkeypatch):
     monkeypatch.setattr(device.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(DeviceUnavailableError, match="torch-npu package is not installed"):

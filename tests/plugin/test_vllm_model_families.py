@@ -3,7 +3,7 @@
 layer in its config) and Kimi-K2 (DeepSeek-V3's classes under its own model_type). Each tiny
 checkpoint carries its published model's config keys. AFD greedy ids equal plain vLLM's with 2
 micro-batch stages against one FFN pod holding 2 ranks, and with 1 stage against two pods of one
-rank, under each placement that applies; Qwen3-MoE also through `vllm serve`. DeepSeek-V3.2
+rank, under each placement that applies (offline vLLM); and through `vllm serve`. DeepSeek-V3.2
 does not start on vLLM's CPU platform (its attention indexer): its MoE is checked at the core
 level (test_plugin_oracle.py)."""
 
@@ -67,15 +67,15 @@ def test_a_model_without_shared_experts_reports_the_placement_as_not_applicable(
             assert f"(placement {placement}," in logs
 
 
-def test_qwen3_moe_through_vllm_serve_answers_like_plain_vllm(tmp_path_factory):
-    install_testbed_plugin()
-    root = tmp_path_factory.mktemp("qwen3-serve")
-    model = write_vllm_checkpoint(root / "model", "qwen3_moe", seed=3)
+def test_vllm_serve_answers_like_plain_vllm(family):
+    """`vllm serve` as the operator renders it (load format afd, 2 stages) against one FFN pod
+    of 2 ranks; requests one at a time."""
+    model, root = family["model"], family["root"]
     answers = {}
     for name, block in (("plain", None), ("afd", afd_block("attention", port=free_port(), stages=2))):
-        servers = start_ffn_servers(model, block, root, split=(2,)) if block else []
+        servers = start_ffn_servers(model, block, root, tag="ffn-serve", split=(2,)) if block else []
         port = free_port()
-        api = start_vllm_serve(model, port, root, name, block=block)
+        api = start_vllm_serve(model, port, root, f"serve-{name}", block=block)
         procs = [proc for proc, _ in servers] + [api]
         try:
             wait_until(lambda: http_status(port, "/health") == 200, START_TIMEOUT, f"{name} vllm serve", procs)
