@@ -15,7 +15,9 @@ modules together). Imports inside functions are lazy and do not count.
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -165,3 +167,18 @@ def test_every_kind_of_sys_path_edit_is_seen() -> None:
                "from sys import path", "import site\nsite.addsitedir('x')", "import sys\nsys.path = []"]
     assert [bool(edits_sys_path(ast.parse(source))) for source in sources] == [True] * len(sources)
     assert edits_sys_path(ast.parse("import os, sys\nprint(sys.path, os.path.join('a', 'b'))")) == []
+
+
+def test_the_operator_and_afdctl_import_without_torch(repo_root: Path) -> None:
+    """The operator image installs no torch: what the operator and afdctl import of the plugin
+    (its afd-block config, the checkpoint's MoE description) must not need it."""
+    blocker = ("import importlib.abc, sys\n"
+               "class Block(importlib.abc.MetaPathFinder):\n"
+               "    def find_spec(self, name, path, target=None):\n"
+               "        if name.split('.')[0] in ('torch', 'safetensors', 'vllm'):\n"
+               "            raise ImportError('the operator must not import ' + name)\n"
+               "sys.meta_path.insert(0, Block())\n"
+               "import afd_operator.main, afd_operator.cli, afd_operator.checkpoint\n")
+    result = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, cwd=repo_root,
+                            env={**os.environ, "PYTHONPATH": f"{repo_root / 'operator'}:{repo_root / 'plugin'}"})
+    assert result.returncode == 0, result.stderr[-2000:]
