@@ -309,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.rank_status_fd is None:
             # Refused before any rank starts; the ranks get the resolved backend.
             args.expert_backend = check_supported(args)
+            # The checkpoint the Attention engine and afdctl refuse is refused here too, before
+            # any rank starts, so the reason is the pod's last log line (its termination message).
+            cfg.validate_for_model(load_spec(args.model).num_routed_experts)
             logger.info("expert backend: %s", args.expert_backend)
             device_name = resolve_device_name(args.device)
     except (AFDConfigError, ArgumentError, ValueError) as exc:
