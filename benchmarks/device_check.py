@@ -39,8 +39,8 @@ from afd_shared_experts.attention import RemoteMoE
 from afd_shared_experts.compute import combine, route, swiglu
 from afd_shared_experts.connector import FrameSet
 from afd_shared_experts.device import sync_debug_mode
-from afd_shared_experts.model import DTYPES, GATE_SIGMOID_GROUPED, GateWeights, MoESpec, load_attention_weights, \
-    load_ffn_weights, load_spec
+from afd_shared_experts.model import DTYPES, GateWeights, load_attention_weights, load_ffn_weights
+from afd_shared_experts.moe_spec import GATE_SIGMOID_GROUPED, MoESpec, load_spec
 from afd_shared_experts.selfcheck import RunSpec, run_topologies
 from afd_shared_experts.wire import DispatchTicket, WireLayout
 from shared_placement import write_model

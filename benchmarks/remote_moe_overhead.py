@@ -85,11 +85,19 @@ def load_plugin(name: str, package_dir: Path):
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    return importlib.import_module(f"{name}.attention"), importlib.import_module(f"{name}.model")
+    return importlib.import_module(f"{name}.attention"), spec_module(name)
 
 
-def v3_spec(model_module, hidden_size: int = V3_SHAPE["hidden_size"]):
-    return model_module.MoESpec(model_type="deepseek_v3", gate_kind=model_module.GATE_SIGMOID_GROUPED,
+def spec_module(package: str):
+    """The package's module defining MoESpec: `moe_spec`, or `model` in trees older than it."""
+    try:
+        return importlib.import_module(f"{package}.moe_spec")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"{package}.model")
+
+
+def v3_spec(definitions, hidden_size: int = V3_SHAPE["hidden_size"]):
+    return definitions.MoESpec(model_type="deepseek_v3", gate_kind=definitions.GATE_SIGMOID_GROUPED,
                                 norm_topk_prob=True, has_shared_gate=False, moe_layers=(0,),
                                 **{**V3_SHAPE, "hidden_size": hidden_size})
 
@@ -177,7 +185,7 @@ def main(argv=None) -> int:
     # One thread: on a shared machine, multi-threaded ops measure the neighbours' load.
     torch.set_num_threads(1)
     before = load_plugin("afd_shared_experts_before", args.baseline)
-    after = (importlib.import_module("afd_shared_experts.attention"), importlib.import_module("afd_shared_experts.model"))
+    after = (importlib.import_module("afd_shared_experts.attention"), spec_module("afd_shared_experts"))
     print(f"RemoteMoE dispatch + combine per layer step, CPU (1 thread), bf16, DeepSeek-V3 shapes with hidden "
           f"{args.hidden}, F = {args.ffn_ranks}, no-op connector, median of {args.repeats}")
     print(f"{'T':>5} {'partition':>10} {'before ms':>10} {'after ms':>9} {'after/before':>12} "
@@ -185,9 +193,9 @@ def main(argv=None) -> int:
     for tokens in args.tokens:
         inputs = v3_inputs(v3_spec(after[1], args.hidden), tokens, "cpu")
         for partition in PARTITIONS:
-            remotes = [build_remote(attention_module, v3_spec(model_module, args.hidden), partition, args.ffn_ranks,
+            remotes = [build_remote(attention_module, v3_spec(module_of_spec, args.hidden), partition, args.ffn_ranks,
                                     "cpu", max_tokens=tokens)
-                       for attention_module, model_module in (before, after)]
+                       for attention_module, module_of_spec in (before, after)]
             # Alternating before/after step by step, so a change in the machine's load hits both.
             times = [[], []]
             for _ in range(args.repeats + 1):  # the first round warms up

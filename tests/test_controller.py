@@ -6,7 +6,8 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from afd_operator.api import AFDDeploymentSpec
-from afd_operator.controller import CreatePods, Decision, DeletePods, InstanceRecord, SetServing, StartDrain, decide
+from afd_operator.controller import decide
+from afd_operator.decisions import CreatePods, Decision, DeletePods, InstanceRecord, SetServing, StartDrain
 from afd_operator.observe import TERMINATION_LINE_CHARS, ObservedPod, summarize_pod
 from afd_operator.planner import RolloutBudget, rollout_budget
 from afd_operator.revision import revision_of

@@ -29,7 +29,8 @@ from afd_operator.planner import attention_layout, ffn_layout, plan, rollout_bud
 from afd_operator.policy import policy_from_values
 from afd_operator.render import render
 from afd_operator.revision import revision_of
-from afd_operator.validation import MAX_INDEX, MAX_SHOWN, validate_object
+from afd_operator.problems import MAX_SHOWN
+from afd_operator.validation import MAX_INDEX, validate_object
 from dry_run import dry_run_create, ensure_priority_class, serving_client
 from k8s_helpers import EXAMPLES_HOST_ACCESS, delete_afddeployments
 

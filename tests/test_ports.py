@@ -32,3 +32,28 @@ def test_the_ephemeral_range_is_read_from_the_kernel(tmp_path, monkeypatch):
     monkeypatch.setattr(ports, "_EPHEMERAL_RANGE_FILE", range_file)
     candidates = ports.candidate_ports()
     assert set(candidates) == set(range(10000, 20000)) | set(range(64001, 65536))
+
+
+def test_a_stable_port_is_the_same_for_its_key_and_never_anothers(monkeypatch):
+    monkeypatch.setattr(ports, "_stable_ports", {})
+    first = ports.stable_port("offline-deepseek_v2-ffn")
+    assert ports.stable_port("offline-deepseek_v2-ffn") == first
+    # A new process (empty memory of keys, nothing handed out) finds the same port again.
+    monkeypatch.setattr(ports, "_stable_ports", {})
+    monkeypatch.setattr(ports, "_handed_out", set())
+    assert ports.stable_port("offline-deepseek_v2-ffn") == first
+    others = {ports.stable_port(f"key-{i}") for i in range(20)} | {ports.free_port() for _ in range(20)}
+    assert first not in others and len(others) == 40
+
+
+def test_a_stable_port_in_use_moves_to_the_next_free_one(monkeypatch):
+    monkeypatch.setattr(ports, "_stable_ports", {})
+    monkeypatch.setattr(ports, "_handed_out", set())
+    usual = ports.stable_port("taken")
+    monkeypatch.setattr(ports, "_stable_ports", {})
+    monkeypatch.setattr(ports, "_handed_out", set())
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", usual))
+        busy.listen()
+        moved = ports.stable_port("taken")
+    assert moved != usual and moved >= 10000

@@ -12,12 +12,12 @@ from pydantic import ValidationError
 
 import afd_operator.status as status_module
 from afd_operator.api import AFDDeploymentSpec, AFDDeploymentStatus, ConditionType, Phase
-from afd_operator.controller import Decision, InstanceRecord
+from afd_operator.decisions import Decision, InstanceRecord
 from afd_operator.observe import format_time
 from afd_operator.policy import NetworkIsolation
 from afd_operator.revision import revision_of
 from afd_operator.status import build_status, invalid_status, write_failed_status
-from afd_operator.validation import Problem
+from afd_operator.problems import Problem
 from afd_operator.writer import ApiWriteError
 
 NOW = 1_000_000.0

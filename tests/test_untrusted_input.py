@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from afd_operator.cli import main
-from afd_operator.validation import MAX_DEPTH, MAX_NODES, validate_object, validate_spec
+from afd_operator.problems import MAX_DEPTH, MAX_NODES
+from afd_operator.validation import validate_object, validate_spec
 from k8s_helpers import set_path
 
 

@@ -11,10 +11,15 @@ so the same arguments write the same bytes.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
+from afd_devcluster.cache import cache_root
 from afd_shared_experts.moe_spec import SIGMOID_GROUPED_TYPES, spec_from_config
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -160,6 +165,31 @@ def write_vllm_checkpoint(directory: Path, model_type: str, seed: int = 0, **sha
     save_tensors(tensors, directory)
     _write_tokenizer(directory)
     return directory
+
+
+def cached_vllm_checkpoint(model_type: str, seed: int = 0, **shape) -> Path:
+    """write_vllm_checkpoint's checkpoint at a path that stays the same run after run (under
+    the project's cache, keyed by the arguments and this writer's source): vLLM's compile cache
+    keys on the model's path, so engines compiled from it once load their compiled graph after.
+    Written once (into a temporary folder, then renamed); readers must not change it."""
+    key = json.dumps([model_type, seed, sorted(shape.items()), torch.__version__,
+                      Path(__file__).read_text(), Path(spec_from_config.__code__.co_filename).read_text()])
+    target = cache_root() / "checkpoints" / f"{model_type}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        write_vllm_checkpoint(staging, model_type, seed=seed, **shape)
+        staging.chmod(0o755)
+        os.rename(staging, target)
+    except OSError:
+        # Another process renamed its copy first (the same bytes: the writer is seeded).
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
 def write_config_checkpoint(directory: Path, config: dict) -> Path:

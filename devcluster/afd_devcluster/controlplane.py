@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import yaml
 
+from afd_devcluster.daemons import log_tail
 from afd_devcluster.ports import free_port
 
 ADMIN_USER = "afd-admin"
@@ -66,13 +67,6 @@ def kube_apiserver_binary() -> str:
 def _audit_time(timestamp: str) -> float:
     # MicroTime in RFC 3339 with a "Z" suffix, which fromisoformat accepts only from Python 3.11.
     return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
-
-
-def _log_tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 def _stop(proc: Optional[subprocess.Popen]) -> None:
@@ -206,7 +200,7 @@ class ControlPlane:
         while time.monotonic() < deadline:
             if self.apiserver.poll() is not None:
                 raise RuntimeError(f"kube-apiserver exited with {self.apiserver.returncode}; "
-                                   f"log {api_log}:\n{_log_tail(api_log)}")
+                                   f"log {api_log}:\n{log_tail(api_log, 20)}")
             req = urllib.request.Request(f"{self.server}/readyz",
                                          headers={"Authorization": f"Bearer {self._admin_token}"})
             try:
@@ -218,7 +212,7 @@ class ControlPlane:
             time.sleep(0.5)
         etcd_state = "running" if self.etcd.poll() is None else f"exited with {self.etcd.returncode}"
         raise RuntimeError(f"kube-apiserver not ready after {READY_TIMEOUT_SECONDS}s ({last}); etcd {etcd_state}; "
-                           f"logs {api_log} and {self.workdir / 'etcd.log'}:\n{_log_tail(api_log)}")
+                           f"logs {api_log} and {self.workdir / 'etcd.log'}:\n{log_tail(api_log, 20)}")
 
     def stop(self) -> None:
         _stop(self.apiserver)

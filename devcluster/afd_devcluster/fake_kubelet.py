@@ -18,16 +18,16 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from kubernetes import client, watch
 from kubernetes.client import ApiClient, ApiException
 
+from afd_devcluster.kubelet_status import FakeNode, Pod, condition, container_status, readiness, started_at, utc_now
+
 log = logging.getLogger(__name__)
 
-Pod = dict[str, Any]
 PodPredicate = Callable[[Pod], bool]
 
 _LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
@@ -38,65 +38,8 @@ _UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
 _RETRY_SECONDS = 1.0
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _condition(kind: str, status: str, now: str, reason: Optional[str] = None,
-               message: Optional[str] = None) -> dict[str, Any]:
-    cond = {"type": kind, "status": status, "lastTransitionTime": now, "lastProbeTime": None}
-    if reason:
-        cond["reason"] = reason
-    if message:
-        cond["message"] = message
-    return cond
-
-
-def _readiness(ready: bool, now: str, pod: Pod) -> list[dict[str, Any]]:
-    if ready:
-        return [_condition("ContainersReady", "True", now), _condition("Ready", "True", now)]
-    names = ", ".join(c["name"] for c in pod["spec"]["containers"])
-    message = f"containers with unready status: [{names}]"
-    return [_condition("ContainersReady", "False", now, "ContainersNotReady", message),
-            _condition("Ready", "False", now, "ContainersNotReady", message)]
-
-
-def _container_status(pod: Pod, container: Mapping[str, Any], state: dict[str, Any], ready: bool,
-                      started: bool) -> dict[str, Any]:
-    return {"name": container["name"], "image": container.get("image", ""),
-            "imageID": f"fake://{container.get('image', '')}",
-            "containerID": f"fake://{pod['metadata']['uid']}/{container['name']}",
-            "ready": ready, "started": started, "restartCount": 0, "state": state}
-
-
-def _started_at(pod: Pod, container_name: str, default: str) -> str:
-    for status in pod.get("status", {}).get("containerStatuses") or []:
-        if status["name"] == container_name:
-            return status.get("state", {}).get("running", {}).get("startedAt", default)
-    return default
-
-
 def _key(pod: Pod) -> tuple[str, str]:
     return pod["metadata"]["namespace"], pod["metadata"]["name"]
-
-
-@dataclass
-class _Node:
-    name: str
-    pod_cidr: ipaddress.IPv4Network
-    lost: bool = False
-    used_ips: set[str] = field(default_factory=set)
-
-    @property
-    def host_ip(self) -> str:
-        return str(self.pod_cidr[1])
-
-    def allocate_ip(self) -> Optional[str]:
-        for address in itertools.islice(self.pod_cidr.hosts(), 1, None):
-            if str(address) not in self.used_ips:
-                self.used_ips.add(str(address))
-                return str(address)
-        return None
 
 
 @dataclass
@@ -144,7 +87,7 @@ class FakeKubelet:
         self.watch_timeout_seconds = watch_timeout_seconds
 
         self._lock = threading.RLock()
-        self._nodes: dict[str, _Node] = {}
+        self._nodes: dict[str, FakeNode] = {}
         self._bound: dict[str, _BoundPod] = {}  # by pod uid
         self._held: dict[str, tuple[str, str]] = {}  # by pod uid
         self._hold_rules: list[PodPredicate] = []
@@ -216,12 +159,12 @@ class FakeKubelet:
     def fail_pod(self, namespace: str, name: str, exit_code: int = 1, reason: str = "Error") -> None:
         """Every container terminates with `exit_code`; the pod goes Failed and not Ready."""
         pod = self._own_pod(namespace, name)
-        now = _now()
-        containers = [_container_status(pod, c, {"terminated": {
-            "exitCode": exit_code, "reason": reason, "startedAt": _started_at(pod, c["name"], now),
+        now = utc_now()
+        containers = [container_status(pod, c, {"terminated": {
+            "exitCode": exit_code, "reason": reason, "startedAt": started_at(pod, c["name"], now),
             "finishedAt": now}}, ready=False, started=False) for c in pod["spec"]["containers"]]
         self._patch_pod_status(namespace, name, {
-            "phase": "Failed", "conditions": _readiness(False, now, pod), "containerStatuses": containers})
+            "phase": "Failed", "conditions": readiness(False, now, pod), "containerStatuses": containers})
 
     def set_not_ready(self, namespace: str, name: str) -> None:
         """Readiness probes start failing: not Ready, still Running."""
@@ -242,20 +185,20 @@ class FakeKubelet:
             if node_name not in self._nodes:
                 raise ValueError(f"{node_name} is not a node of this FakeKubelet")
             self._nodes[node_name].lost = True
-        now = _now()
+        now = utc_now()
         node = json.loads(self._core.read_node(node_name, _preload_content=False).data)
         taints = [t for t in node["spec"].get("taints") or [] if t["key"] != _UNREACHABLE_TAINT]
         taints += [{"key": _UNREACHABLE_TAINT, "effect": effect, "timeAdded": now}
                    for effect in ("NoSchedule", "NoExecute")]
         self._core.patch_node(node_name, {"spec": {"taints": taints}},
                               _content_type=_STRATEGIC_MERGE, _preload_content=False)
-        self._core.patch_node_status(node_name, {"status": {"conditions": [_condition(
+        self._core.patch_node_status(node_name, {"status": {"conditions": [condition(
             "Ready", "Unknown", now, "NodeStatusUnknown", "Kubelet stopped posting node status.")]}},
             _content_type=_STRATEGIC_MERGE, _preload_content=False)
         for pod in self._list_pods(field_selector=f"spec.nodeName={node_name}")["items"]:
             namespace, name = _key(pod)
             self._patch_pod_status(namespace, name, {"conditions": [
-                _condition("Ready", "False", now, "NodeLost", f"Node {node_name} is unreachable")]})
+                condition("Ready", "False", now, "NodeLost", f"Node {node_name} is unreachable")]})
 
     # --- nodes -----------------------------------------------------------------------------
 
@@ -273,7 +216,7 @@ class FakeKubelet:
                 pod_cidr = ipaddress.ip_network(current["spec"]["podCIDR"])
             else:
                 pod_cidr = next(free_networks)
-            node = _Node(name, pod_cidr)
+            node = FakeNode(name, pod_cidr)
             labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
                       "kubernetes.io/arch": "amd64", **self._node_labels}
             if current is None:
@@ -288,15 +231,15 @@ class FakeKubelet:
             with self._lock:
                 self._nodes[name] = node
 
-    def _node_status(self, node: _Node) -> dict[str, Any]:
-        now = _now()
+    def _node_status(self, node: FakeNode) -> dict[str, Any]:
+        now = utc_now()
         conditions = [("MemoryPressure", "False", "KubeletHasSufficientMemory"),
                       ("DiskPressure", "False", "KubeletHasNoDiskPressure"),
                       ("PIDPressure", "False", "KubeletHasSufficientPID"),
                       ("Ready", "True", "KubeletReady")]
         return {
             "capacity": self._capacity, "allocatable": self._capacity,
-            "conditions": [{**_condition(kind, status, now, reason), "lastHeartbeatTime": now}
+            "conditions": [{**condition(kind, status, now, reason), "lastHeartbeatTime": now}
                            for kind, status, reason in conditions],
             "addresses": [{"type": "InternalIP", "address": node.host_ip},
                           {"type": "Hostname", "address": node.name}],
@@ -400,7 +343,7 @@ class FakeKubelet:
         else:
             self._run_pod(pod, node, bound)
 
-    def _remember(self, pod: Pod, node: _Node) -> _BoundPod:
+    def _remember(self, pod: Pod, node: FakeNode) -> _BoundPod:
         uid = pod["metadata"]["uid"]
         bound = self._bound.get(uid)
         if bound is None:
@@ -440,7 +383,7 @@ class FakeKubelet:
         self._ignore_gone(self._core.create_namespaced_pod_binding, name, namespace, binding,
                           _preload_content=False)
 
-    def _run_pod(self, pod: Pod, node: _Node, bound: _BoundPod) -> None:
+    def _run_pod(self, pod: Pod, node: FakeNode, bound: _BoundPod) -> None:
         with self._lock:
             if bound.ip is None:
                 bound.ip = node.allocate_ip()
@@ -448,18 +391,18 @@ class FakeKubelet:
         if ip is None:
             log.warning("fake kubelet: node %s has no pod IP left for %s/%s", node.name, bound.namespace, bound.name)
             return
-        now = _now()
+        now = utc_now()
         ready = self.ready_delay_seconds <= 0
         status: dict[str, Any] = {
             "phase": "Running", "hostIP": node.host_ip, "podIP": ip, "podIPs": [{"ip": ip}], "startTime": now,
-            "conditions": [_condition("PodScheduled", "True", now), _condition("Initialized", "True", now),
-                           *_readiness(ready, now, pod)],
-            "containerStatuses": [_container_status(pod, c, {"running": {"startedAt": now}}, ready, True)
+            "conditions": [condition("PodScheduled", "True", now), condition("Initialized", "True", now),
+                           *readiness(ready, now, pod)],
+            "containerStatuses": [container_status(pod, c, {"running": {"startedAt": now}}, ready, True)
                                   for c in pod["spec"]["containers"]],
         }
         init_containers = pod["spec"].get("initContainers") or []
         if init_containers:
-            status["initContainerStatuses"] = [_container_status(pod, c, {"terminated": {
+            status["initContainerStatuses"] = [container_status(pod, c, {"terminated": {
                 "exitCode": 0, "reason": "Completed", "startedAt": now, "finishedAt": now}}, False, False)
                 for c in init_containers]
         if self._patch_pod_status(bound.namespace, bound.name, status) is None:
@@ -517,7 +460,7 @@ class FakeKubelet:
         pod = self._own_pod(namespace, name)
         containers = [{**status, "ready": ready} for status in pod["status"].get("containerStatuses") or []]
         self._patch_pod_status(namespace, name, {
-            "conditions": _readiness(ready, _now(), pod), "containerStatuses": containers})
+            "conditions": readiness(ready, utc_now(), pod), "containerStatuses": containers})
 
     # --- delayed actions -------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ and this process hands out each one at most once.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import threading
@@ -18,6 +19,7 @@ _LOWEST = 10000
 _EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _lock = threading.Lock()
 _handed_out: set[int] = set()
+_stable_ports: dict[str, int] = {}
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -58,3 +60,21 @@ def free_port() -> int:
                 _handed_out.add(port)
                 return port
     raise RuntimeError("no free TCP port outside the ephemeral range")
+
+
+def stable_port(key: str) -> int:
+    """The same port for the same key, run after run, where it is free: for servers whose port
+    ends up in a cache key (a docker build argument, a vLLM engine's config hash). Falls back
+    to free_port(); within this process a key keeps its port, and no other caller gets it."""
+    low, high = ephemeral_range()
+    start = 20000 + int(hashlib.sha256(key.encode()).hexdigest(), 16) % 5000
+    with _lock:
+        known = _stable_ports.get(key)
+        if known is not None and _bindable(known):
+            return known
+        for port in range(start, start + 50):
+            if port not in _handed_out and not low <= port <= high and _bindable(port):
+                _handed_out.add(port)
+                _stable_ports[key] = port
+                return port
+    return free_port()

@@ -12,7 +12,7 @@ from typing import Optional
 from afd_shared_experts.moe_spec import CheckpointError, load_spec
 
 from .api import AFDDeploymentSpec
-from .validation import Problem
+from .problems import Problem
 
 
 @dataclass

@@ -21,7 +21,8 @@ from .documents import MAX_FILE_BYTES, read_documents
 from .planner import Plan, plan
 from .policy import UNCHECKED_HOST_ACCESS, ClusterPolicy, PolicyError, load_policy
 from .render import render
-from .validation import Problem, validate_object
+from .problems import Problem
+from .validation import validate_object
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 

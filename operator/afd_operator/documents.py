@@ -11,7 +11,7 @@ from typing import Any, Optional
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from .validation import MAX_DEPTH, Problem
+from .problems import MAX_DEPTH, Problem
 
 # The API server takes at most 3 MiB per request; an AFDDeployment is a few KiB.
 MAX_FILE_BYTES = 3 * 1024 * 1024

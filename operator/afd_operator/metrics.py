@@ -7,7 +7,7 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .api import Phase
-from .controller import Decision
+from .decisions import Decision
 
 
 class OperatorMetrics:

@@ -17,11 +17,11 @@ from pydantic import ValidationError
 
 from . import naming
 from .api import AFDDeploymentSpec, AFDDeploymentStatus, Condition, ConditionType, InstanceStatus, Phase
-from .controller import Decision, InstanceRecord
+from .decisions import Decision, InstanceRecord
 from .observe import ObservedPod, format_time, parse_time
 from .planner import rollout_budget, topology_string, uses_host_network
 from .policy import NetworkIsolation
-from .validation import Problem
+from .problems import Problem
 from .writer import ApiWriteError
 
 

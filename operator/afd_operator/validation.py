@@ -1,9 +1,9 @@
 """Validation of AFDDeployment objects: every problem at once, each with its field path, and
 an answer for any input: a problem list, never an exception.
 
-First the shape of the raw object (depth, size, JSON types: what the API server could store);
-then the schema rules of the pydantic models (with the API server's own rules for what passes
-through to pods, kube_types.py); then cross-field rules (which a Kubernetes 1.20 CRD cannot
+First the shape of the raw object (problems.py: depth, size, JSON types: what the API server
+could store); then the schema rules of the pydantic models (with the API server's own rules for
+what passes through to pods, kube_types.py); then cross-field rules (which a Kubernetes 1.20 CRD cannot
 express without CEL) and the cluster's host-access policy (policy.py); last, the plugin's own
 parser judges the `afd` block the spec plans, so what the pods would refuse is refused here,
 with the plugin's message under the spec field it came from. All of it is shared by `afdctl
@@ -14,9 +14,7 @@ grow with `replicas`: per-instance rules are checked on the instances where they
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from afd_shared_experts.config import AFDConfigError
 from pydantic import ValidationError
@@ -29,6 +27,7 @@ from .planner import (ASCEND_HOST_VOLUME, HCCN_VOLUME, MODEL_VOLUME, attention_l
                       instance_ports, operator_mounts, role_configs, rollout_budget, spec_stage_limit,
                       uses_host_network)
 from .policy import UNCHECKED_HOST_ACCESS, ClusterPolicy, HostAccess, under
+from .problems import Problem, check_shape, pydantic_problems
 from .revision import REVISION_LENGTH
 
 log = logging.getLogger(__name__)
@@ -43,16 +42,9 @@ MAX_DEPLOYMENT_PODS = 8192
 # REVISION_LENGTH characters that DNS names allow, so every rule below, the plugin's included,
 # answers the same for any of them, and validating never hashes the spec.
 ANY_REVISION = "x" * REVISION_LENGTH
-# The raw object: nesting, values visited (aliases of a YAML file count each time they are
-# reached) and string length. The API server takes at most 3 MiB per request.
-MAX_DEPTH = 32
-MAX_NODES = 100_000
-MAX_STRING_BYTES = 256 * 1024
 # What a role's engineArgs, env and podTemplate may add to each of its pods: a pod is one etcd
 # object (at most 1.5 MiB), and the operator's own part is a few KiB.
 MAX_POD_EXTRAS_BYTES = 512 * 1024
-# How much of a field path or message one line of output shows.
-MAX_SHOWN = 300
 
 # Engine flags the operator derives from the spec; setting them by hand would break a world.
 OPERATOR_OWNED_FLAGS = {
@@ -78,89 +70,6 @@ OPERATOR_OWNED_FLAGS = {
 }
 # vLLM refuses these on headless pods (it starts no API server there) and exits at start.
 HEAD_ONLY_FLAGS = ("--api-server-count", "-asc")
-
-
-def printable(text: str) -> str:
-    """`text` on one line: control characters escaped, long text cut."""
-    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-    return shown if len(shown) <= MAX_SHOWN else shown[:MAX_SHOWN] + "..."
-
-
-@dataclass(frozen=True, order=True)
-class Problem:
-    path: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{printable(self.path)}: {printable(self.message)}"
-
-
-def _loc_to_path(prefix: str, loc: tuple[Union[str, int], ...]) -> str:
-    path = prefix
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part != "[key]":  # a map key that breaks a rule: its path is the entry's
-            path += ("." if path else "") + part
-    return path
-
-
-def _pydantic_problems(err: ValidationError, prefix: str) -> list[Problem]:
-    problems = []
-    for e in err.errors():
-        path = _loc_to_path(prefix, e["loc"])
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field (not part of the AFDDeployment API; field names are camelCase)"
-        elif e["type"] == "missing":
-            msg = "required field is missing"
-        else:
-            msg = e["msg"].removeprefix("Value error, ")
-            if e["loc"] and e["loc"][-1] == "[key]":
-                msg = f"key: {msg}"
-        problems.append(Problem(path, msg))
-    return sorted(set(problems), key=problems.index)
-
-
-class _TooLarge(Exception):
-    pass
-
-
-def check_shape(obj: Any, root: str) -> list[Problem]:
-    """What JSON and the API server can carry, before any model reads the object: nesting at
-    most MAX_DEPTH, at most MAX_NODES values, string keys, finite numbers in int64, strings
-    without NUL. Iterative, so no input can exhaust the stack."""
-    problems: list[Problem] = []
-    stack: list[tuple[str, Any, int]] = [(root, obj, 0)]
-    visited = 0
-    while stack:
-        path, value, depth = stack.pop()
-        visited += 1
-        if visited > MAX_NODES:
-            return [Problem(root or "<document>", f"more than {MAX_NODES} values (YAML aliases count each time "
-                                                  "they are used); an AFDDeployment is far smaller")]
-        if isinstance(value, (dict, list)) and depth >= MAX_DEPTH:
-            problems.append(Problem(path, f"nested deeper than {MAX_DEPTH} levels"))
-            continue
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if not isinstance(key, str):
-                    problems.append(Problem(f"{path}.{key!r}", "keys must be strings"))
-                    continue
-                stack.append((f"{path}.{key}" if path else key, item, depth + 1))
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value))
-        elif isinstance(value, float) and not math.isfinite(value):
-            problems.append(Problem(path, "must be a finite number (JSON has no NaN or infinity)"))
-        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > kube_rules.INT64_MAX:
-            problems.append(Problem(path, "must fit in 64 bits"))
-        elif isinstance(value, str):
-            if len(value) > MAX_STRING_BYTES:
-                problems.append(Problem(path, f"must be at most {MAX_STRING_BYTES} characters"))
-            elif "\x00" in value:
-                problems.append(Problem(path, "must not contain a NUL character"))
-        elif not (value is None or isinstance(value, (bool, int, float))):
-            problems.append(Problem(path, f"a {type(value).__name__} value is not JSON (quote it to make it a string)"))
-    return sorted(problems)
 
 
 def _check_env(path: str, env: list[EnvVar]) -> list[Problem]:
@@ -514,7 +423,7 @@ def validate_spec(data: Any, name: str, prefix: str = "spec", namespace: str = "
         try:
             spec = AFDDeploymentSpec.model_validate(data)
         except ValidationError as err:
-            problems = _pydantic_problems(err, prefix)
+            problems = pydantic_problems(err, prefix)
             name_problem = kube_rules.dns_1035_label(name)
             if name_problem:
                 problems.insert(0, Problem("metadata.name", name_problem))
@@ -538,7 +447,7 @@ def validate_object(obj: Any, policy: ClusterPolicy = UNCHECKED_HOST_ACCESS) -> 
         try:
             parsed = AFDDeployment.model_validate(obj)
         except ValidationError as err:
-            return None, _pydantic_problems(err, "")
+            return None, pydantic_problems(err, "")
         problems = check_spec(parsed.spec, parsed.metadata.name, parsed.metadata.namespace, policy)
         return (None, problems) if problems else (parsed, [])
 

@@ -15,7 +15,8 @@ from .compute import combine, route, shared_expert_output
 from .connector import AFDConnector
 from .wire import COUNTS_AT, EXTRA_FIELD, KIND_WORK, ROWS_FIELD, DispatchTicket
 from .metrics import RuntimeMetrics
-from .model import GateWeights, MoESpec, SharedExpertWeights
+from .model import GateWeights, SharedExpertWeights
+from .moe_spec import MoESpec
 from .partition import affinity_assignment, contiguous_assignment
 from .trace import clocks, stage_trace, trace_enabled
 

@@ -5,15 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .model import (
-    GATE_SIGMOID_GROUPED,
-    GATE_SOFTMAX_GREEDY,
-    GATE_SOFTMAX_GROUP_LIMITED,
-    GATE_SOFTMAX_TOPK,
-    GateWeights,
-    MoESpec,
-    SharedExpertWeights,
-)
+from .model import GateWeights, SharedExpertWeights
+from .moe_spec import GATE_SIGMOID_GROUPED, GATE_SOFTMAX_GREEDY, GATE_SOFTMAX_GROUP_LIMITED, GATE_SOFTMAX_TOPK, MoESpec
 
 
 def route(spec: MoESpec, gate: GateWeights, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

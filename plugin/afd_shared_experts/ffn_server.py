@@ -39,7 +39,8 @@ from .errors import AFDError, ConnectorClosedError
 from .ffn_runtime import FFNRuntime, LayerExperts, torch_experts
 from .ffn_supervisor import READY_LINE, STARTED_LINE, supervise
 from .metrics import RuntimeMetrics
-from .model import DTYPES, CheckpointError, load_ffn_weights, load_spec
+from .model import DTYPES, load_ffn_weights
+from .moe_spec import CheckpointError, load_spec
 from .roles import ffn_world_ranks
 from .wire import WireLayout
 

@@ -5,7 +5,7 @@ vLLM's loader): ``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight``,
 ``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias`` (sigmoid-gated families),
 ``mlp.shared_experts.*`` (DeepSeek, GLM-4.5), ``mlp.shared_expert.*`` and
 ``mlp.shared_expert_gate.weight`` (Qwen2-MoE, Qwen3-MoE when it has one). What a checkpoint is
-(``MoESpec``, ``load_spec``) comes from ``moe_spec``; its names are importable from here too.
+(``MoESpec``, ``load_spec``) comes from ``moe_spec``.
 """
 
 from __future__ import annotations
@@ -16,17 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .moe_spec import (  # noqa: F401  (re-exported: callers read a checkpoint through this module)
-    GATE_SIGMOID_GROUPED,
-    GATE_SOFTMAX_GREEDY,
-    GATE_SOFTMAX_GROUP_LIMITED,
-    GATE_SOFTMAX_TOPK,
-    PLACEMENT_NONE,
-    CheckpointError,
-    MoESpec,
-    load_spec,
-    spec_from_config,
-)
+from .moe_spec import GATE_SIGMOID_GROUPED, CheckpointError, MoESpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

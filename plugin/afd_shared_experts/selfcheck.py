@@ -40,7 +40,8 @@ from .wire import BYTE_KINDS, WireLayout
 from .device import resolve_device, select_device, sync_debug_mode
 from .errors import DeviceUnavailableError
 from .ffn_runtime import FFNRuntime, torch_experts
-from .model import DTYPES, load_attention_weights, load_ffn_weights, load_spec
+from .model import DTYPES, load_attention_weights, load_ffn_weights
+from .moe_spec import load_spec
 
 CHILD_DEADLINE_SECONDS = 600.0
 # After a rank fails, how long to wait for its peers' errors: the rank that failed first

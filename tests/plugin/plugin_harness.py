@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from afd_devcluster import free_port
-from afd_shared_experts.model import DTYPES, GATE_SIGMOID_GROUPED, load_spec
+from afd_shared_experts.model import DTYPES
+from afd_shared_experts.moe_spec import GATE_SIGMOID_GROUPED, load_spec
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
 
@@ -140,7 +141,8 @@ class ThreadWorld:
         from afd_shared_experts.attention import AttentionMoELayer, RemoteMoE
         from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
         from afd_shared_experts.metrics import RuntimeMetrics
-        from afd_shared_experts.model import load_attention_weights, load_ffn_weights, load_spec
+        from afd_shared_experts.model import load_attention_weights, load_ffn_weights
+        from afd_shared_experts.moe_spec import load_spec
 
         self.spec = spec = load_spec(model_dir)
         self.attention_ranks, self.ffn_ranks, self.dtype = attention_ranks, ffn_ranks, dtype
@@ -265,7 +267,7 @@ def attention_rank_that_idles(model_dir, port: int, attention_ranks: int, ffn_ra
     """Child process body: an Attention rank that joins the world and then does nothing.
     ``ready`` is set once the interpreter is up, so the parent's short rendezvous bound
     does not race the child's start."""
-    from afd_shared_experts.model import load_spec
+    from afd_shared_experts.moe_spec import load_spec
 
     torch.set_num_threads(1)
     connector = make_connector(load_spec(model_dir), "attention", rank, attention_ranks, ffn_ranks, port, timeout=3)
@@ -278,7 +280,8 @@ def ffn_rank_that_serves(model_dir, port: int, ready) -> None:
     """Child process body: the FFN rank of a 1A1F world serving until its Attention rank
     shuts down; ``ready`` as above."""
     from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
-    from afd_shared_experts.model import load_ffn_weights, load_spec
+    from afd_shared_experts.model import load_ffn_weights
+    from afd_shared_experts.moe_spec import load_spec
 
     torch.set_num_threads(1)
     spec = load_spec(model_dir)

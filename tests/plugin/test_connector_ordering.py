@@ -18,7 +18,7 @@ from afd_devcluster import free_port
 from afd_shared_experts.compute import route
 from afd_shared_experts.transport import ProcessGroupTransport, choose_data_plane
 from afd_shared_experts.errors import DeviceUnavailableError
-from afd_shared_experts.model import load_spec
+from afd_shared_experts.moe_spec import load_spec
 from afd_shared_experts.selfcheck import token_range
 from in_order_transport import InOrderTransport, one_communicator_per_rank
 from plugin_harness import ThreadWorld, assert_matches_oracle, make_connector, oracle_outputs, run_threads

@@ -15,7 +15,8 @@ import afd_shared_experts.attention as attention
 from afd_shared_experts.attention import AttentionMoELayer, RemoteMoE
 from afd_shared_experts.connector import FrameSet
 from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
-from afd_shared_experts.model import GATE_SIGMOID_GROUPED, MoESpec, load_attention_weights, load_ffn_weights, load_spec
+from afd_shared_experts.model import load_attention_weights, load_ffn_weights
+from afd_shared_experts.moe_spec import GATE_SIGMOID_GROUPED, MoESpec, load_spec
 from afd_shared_experts.tp import shard_tokens
 from afd_shared_experts.wire import CapacityError, DispatchTicket, FFNPayload, WireLayout, WorkItem, unpack_work
 from test_plugin_partition import routing

@@ -16,7 +16,7 @@ from afd_devcluster import free_port
 from afd_devcluster.checkpoints import write_moe_checkpoint
 from afd_shared_experts.compute import route
 from afd_shared_experts.device import select_device
-from afd_shared_experts.model import load_spec
+from afd_shared_experts.moe_spec import load_spec
 from afd_shared_experts.selfcheck import token_range
 from plugin_harness import ThreadWorld, assert_matches_oracle, make_connector, oracle_outputs, run_threads
 

@@ -7,7 +7,8 @@ from afd_shared_experts.wire import FFNPayload, WorkItem
 from afd_shared_experts.errors import PairingError
 from afd_shared_experts.ffn_batching import StageBatcher, group_key
 from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
-from afd_shared_experts.model import load_ffn_weights, load_spec
+from afd_shared_experts.model import load_ffn_weights
+from afd_shared_experts.moe_spec import load_spec
 from plugin_harness import TOLERANCE, relative_error
 
 WINDOW = 1.0

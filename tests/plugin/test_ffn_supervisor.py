@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from afd_devcluster.checkpoints import write_moe_checkpoint
 from afd_shared_experts.connector import P2PConnector
-from afd_shared_experts.model import load_spec
+from afd_shared_experts.moe_spec import load_spec
 from afd_shared_experts.selfcheck import RunSpec, run_attention_rank, token_range
 from plugin_harness import (assert_matches_oracle, child_pids, make_connector, oracle_outputs, process_alive,
                             run_threads)

@@ -9,7 +9,8 @@ biased score is negative: 0.0 then beats it and an expert of a dropped group is 
 import torch
 
 from afd_shared_experts.compute import route
-from afd_shared_experts.model import GATE_SIGMOID_GROUPED, GateWeights, MoESpec
+from afd_shared_experts.model import GateWeights
+from afd_shared_experts.moe_spec import GATE_SIGMOID_GROUPED, MoESpec
 
 
 def test_a_kept_expert_with_a_negative_biased_score_beats_every_dropped_group():
@@ -25,6 +26,11 @@ def test_a_kept_expert_with_a_negative_biased_score_beats_every_dropped_group():
     assert sorted(ids[0].tolist()) == [0, 1]  # vLLM: dropped experts are -inf, expert 1 still chosen
     scores = logits.sigmoid()
     assert torch.allclose(weights[0], scores[0, ids[0]] / scores[0, ids[0]].sum())
-    # A 0.0 mask would have chosen an expert of the dropped group instead of expert 1.
-    zero_masked = torch.tensor([[1.482, -0.082, 0.0, 0.0]])
-    assert not {0, 1} == set(zero_masked.topk(2).indices[0].tolist())
+    # transformers' rule on the same scores: keep the best group by its top-2 biased sum, set the
+    # other groups' experts to 0.0, take the top-2. It picks an expert of the dropped group.
+    biased = scores[0] + bias
+    kept_group = biased.view(2, 2).topk(2, dim=-1).values.sum(-1).argmax()
+    zero_masked = biased.view(2, 2).clone()
+    zero_masked[1 - kept_group] = 0.0
+    zero_mask_choice = set(zero_masked.flatten().topk(2).indices.tolist())
+    assert kept_group == 0 and zero_mask_choice != set(ids[0].tolist()) and zero_mask_choice & {2, 3}

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from afd_shared_experts.model import load_spec
+from afd_shared_experts.moe_spec import load_spec
 from plugin_harness import ThreadWorld, assert_matches_oracle, oracle_outputs
 
 TOPOLOGIES = [(1, 1), (2, 1), (3, 2), (4, 4), (1, 4)]

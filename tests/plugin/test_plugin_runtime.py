@@ -22,8 +22,8 @@ from afd_shared_experts.errors import (ConnectorClosedError, DeviceUnavailableEr
                                       PeerLostError)
 from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
 from afd_shared_experts.metrics import ProbeServer
-from afd_shared_experts.model import (CheckpointReader, load_attention_weights, load_ffn_weights, load_spec,
-                                      tensor_bytes)
+from afd_shared_experts.model import CheckpointReader, load_attention_weights, load_ffn_weights, tensor_bytes
+from afd_shared_experts.moe_spec import load_spec
 from afd_shared_experts.selfcheck import token_range
 from afd_shared_experts.tp import all_gather_and_trim, shard_tokens
 from afd_shared_experts.trace import TRACE_DIR_ENV, read_traces

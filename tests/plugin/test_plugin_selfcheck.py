@@ -13,7 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from afd_devcluster import free_port
-from afd_shared_experts.model import DTYPES, load_spec
+from afd_shared_experts.model import DTYPES
+from afd_shared_experts.moe_spec import load_spec
 from afd_shared_experts.selfcheck import token_range
 from afd_shared_experts.wire import WireLayout
 from plugin_harness import assert_matches_oracle, oracle_outputs

@@ -15,8 +15,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from afd_devcluster.checkpoints import write_vllm_checkpoint
-from afd_shared_experts.model import load_spec
+from afd_devcluster.checkpoints import cached_vllm_checkpoint, write_vllm_checkpoint
+from afd_devcluster.ports import stable_port
+from afd_shared_experts.moe_spec import load_spec
 from stage_traces import assert_staged_schedule
 from vllm_harness import (
     MAX_TOKENS,
@@ -38,9 +39,10 @@ DYNAMO_ON = {"TORCHDYNAMO_DISABLE": "0"}
 
 def plain_reference(tmp_path_factory, model_type: str, seed: int):
     """(folder, tiny checkpoint of model_type, the generation request, plain vLLM's run of it),
-    from vLLM's default compilation."""
+    from vLLM's default compilation. The checkpoint's path and the afd blocks' ports stay the
+    same run after run, so vLLM's compile cache (keyed on the engine config) serves later runs."""
     root = tmp_path_factory.mktemp(model_type)
-    model = write_vllm_checkpoint(root / "model", model_type, seed=seed)
+    model = cached_vllm_checkpoint(model_type, seed=seed)
     request = {"model": str(model), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": 2, "enforce_eager": False}
     return root, model, request, run_driver(request, root, "plain", env=DYNAMO_ON)
 
@@ -54,7 +56,8 @@ def runs(request, tmp_path_factory):
     root, model, generation, plain = plain_reference(tmp_path_factory, model_type, MODELS.index(model_type))
     results = {"plain": plain, "model": model}
     for placement in ("ffn", "attention"):
-        block = afd_block("attention", port=free_port(), placement=placement, stages=STAGES[placement])
+        block = afd_block("attention", port=stable_port(f"offline-{model_type}-{placement}"), placement=placement,
+                          stages=STAGES[placement])
         # The load format the operator renders for Attention engines.
         results[placement] = afd_run(model, {**generation, "load_format": "afd"}, block, root, placement,
                                      env=DYNAMO_ON)

@@ -18,7 +18,8 @@ from afd_devcluster.checkpoints import MODEL_TYPES, write_moe_checkpoint
 from afd_shared_experts import ffn_server
 from afd_shared_experts.compute import swiglu
 from afd_shared_experts.ffn_runtime import torch_experts
-from afd_shared_experts.model import CheckpointError, load_attention_weights, load_ffn_weights, load_spec
+from afd_shared_experts.model import load_attention_weights, load_ffn_weights
+from afd_shared_experts.moe_spec import CheckpointError, load_spec
 from plugin_harness import TOLERANCE, relative_error
 from vllm_harness import REPO_ROOT, base_env, vllm_python
 

@@ -10,7 +10,7 @@ level (test_plugin_oracle.py)."""
 import pytest
 
 from afd_devcluster.checkpoints import write_vllm_checkpoint
-from afd_shared_experts.model import load_spec
+from afd_shared_experts.moe_spec import load_spec
 from stage_traces import assert_staged_schedule
 from vllm_harness import (MAX_TOKENS, PROMPTS, afd_block, afd_run, complete, free_port, http_status,
                           install_testbed_plugin, run_driver, served_model, start_ffn_servers, start_vllm_serve,

@@ -2,7 +2,7 @@
 config (EngineArgs.create_engine_config, no engine) with the plugin loaded: every new family
 builds an AFD engine config (DeepSeek-V3.2 too, which is not started here); a checkpoint the plugin cannot serve is refused before any
 process starts with one line naming the checkpoint's key, the same line the FFN server and
-`afdctl validate` give (``model.spec_from_config``); without an afd block nothing changes. And
+`afdctl validate` give (``moe_spec.spec_from_config``); without an afd block nothing changes. And
 `vllm serve --load-format afd` on such a checkpoint exits with that line, never healthy."""
 
 import json
@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from afd_devcluster.checkpoints import model_config, write_config_checkpoint
-from afd_shared_experts.model import CheckpointError, load_spec
+from afd_shared_experts.moe_spec import CheckpointError, load_spec
 from vllm_harness import afd_block, base_env, free_port, install_testbed_plugin, run_driver, vllm_console_script
 
 STAGED_WORKER = "afd_shared_experts.vllm.worker.AFDCPUWorker"

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from afd_devcluster.checkpoints import write_vllm_checkpoint
-from afd_shared_experts.model import load_spec
+from afd_shared_experts.moe_spec import load_spec
 from afd_shared_experts.trace import read_traces
 from stage_traces import assert_staged_schedule, by_key, overlapped_layers, stages_per_layer
 from vllm_harness import (

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from afd_shared_experts.model import load_spec
+from afd_shared_experts.moe_spec import load_spec
 from afd_shared_experts.vllm import ffn
 
 STANDIN = Path(__file__).resolve().parent / "vllm_ascend_standin"

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from afd_shared_experts import ffn_server
-from afd_shared_experts.model import CheckpointError, DTYPES, load_spec
+from afd_shared_experts.model import DTYPES
+from afd_shared_experts.moe_spec import CheckpointError, load_spec
 from afd_shared_experts.vllm.ffn import build_vllm_experts
 
 

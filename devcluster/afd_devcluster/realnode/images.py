@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional, Protocol
 
-from afd_devcluster.ports import _bindable, ephemeral_range, free_port
+from afd_devcluster.ports import stable_port
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 TESTBED_IMAGES = REPO_ROOT / "images" / "testbed"
@@ -223,22 +223,11 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-def _stable_port(key: str) -> int:
-    """The same loopback port for the same folder, build after build: the URL is a build
-    argument, and docker's layer cache keys on build arguments. Falls back to any free port."""
-    low, high = ephemeral_range()
-    start = 20000 + int(hashlib.sha256(key.encode()).hexdigest(), 16) % 5000
-    for port in range(start, start + 50):
-        if not low <= port <= high and _bindable(port):
-            return port
-    return free_port()
-
-
 @contextlib.contextmanager
 def served(folder: Path) -> Iterator[str]:
     """Serve a folder over HTTP on loopback (a pip --find-links URL for host-network builds)."""
     handler = functools.partial(_QuietHandler, directory=str(folder))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", _stable_port(str(folder))), handler)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", stable_port(str(folder))), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

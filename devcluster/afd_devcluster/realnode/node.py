@@ -30,7 +30,9 @@ from typing import Any, Optional
 
 import yaml
 
+from afd_devcluster.cache import cache_root
 from afd_devcluster.certs import self_signed_certificate
+from afd_devcluster.daemons import Daemons
 from afd_devcluster.ports import free_port
 from afd_devcluster.realnode.hoststate import HostRecord, mounts_under
 from afd_devcluster.realnode.images import PAUSE_IMAGE, ensure_testbed_images
@@ -64,9 +66,7 @@ def default_state_dir() -> Path:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("AFD_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "afd-operator")
-    return Path(base) / "realnode"
+    return cache_root() / "realnode"
 
 
 def kube_binaries() -> dict[str, str]:
@@ -79,22 +79,6 @@ def kube_binaries() -> dict[str, str]:
         raise RuntimeError(f"no Kubernetes binaries: set $AFD_KUBE_BIN_DIR ({_BUILD_SCRIPT} is not there)")
     out = subprocess.run([str(_BUILD_SCRIPT), *KUBE_BINARIES], check=True, capture_output=True, text=True)
     return dict(zip(KUBE_BINARIES, out.stdout.split()))
-
-
-def _start_time(pid: int) -> Optional[str]:
-    """The process's start time in clock ticks (field 22 of /proc/PID/stat), None if gone or a zombie."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else fields[19]
-
-
-def _tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 def _kubeconfig(server: str, user: str, token: str) -> dict[str, Any]:
@@ -117,7 +101,7 @@ class RealNode:
         self.info_file = self.state / "node.json"
         self.containerd_socket = self.state / "containerd.sock"
         self.docker_socket = self.state / "docker.sock"
-        self._procs: dict[str, subprocess.Popen] = {}
+        self.daemons = Daemons(self.logs, self.pids, READY_TIMEOUT_SECONDS, STOP_TIMEOUT_SECONDS)
         self._bins: dict[str, str] = {}
 
     # ---- what a started node offers ---------------------------------------------------------
@@ -158,7 +142,7 @@ class RealNode:
 
     def running(self) -> list[str]:
         """The daemons of this node that are alive now."""
-        return [name for name in DAEMONS if self._alive(name)]
+        return [name for name in DAEMONS if self.daemons.alive(name)]
 
     # ---- start ------------------------------------------------------------------------------
 
@@ -235,37 +219,6 @@ class RealNode:
             f'{tokens[o]},{name},{i},"{group}"\n' for i, (o, (name, group)) in enumerate(users.items(), 1)))
         return tokens
 
-    def _spawn(self, name: str, argv: list[str], env: Optional[dict[str, str]] = None) -> None:
-        with open(self.logs / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env={**os.environ, **(env or {})})
-        self._procs[name] = proc
-        (self.pids / f"{name}.pid").write_text(f"{proc.pid} {_start_time(proc.pid)}")
-
-    def _pid(self, name: str) -> Optional[int]:
-        try:
-            pid, started = (self.pids / f"{name}.pid").read_text().split()
-        except (OSError, ValueError):
-            return None
-        return int(pid) if _start_time(int(pid)) == started else None
-
-    def _alive(self, name: str) -> bool:
-        return self._pid(name) is not None
-
-    def _wait(self, what: str, check, log: str, timeout: float = READY_TIMEOUT_SECONDS) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self._alive(log):
-                raise RuntimeError(f"{log} exited; log {self.logs / (log + '.log')}:\n{_tail(self.logs / (log + '.log'))}")
-            try:
-                if check():
-                    return
-            except (OSError, subprocess.SubprocessError, ssl.SSLError):
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"{what} not ready after {timeout}s; log {self.logs / (log + '.log')}:\n"
-                           f"{_tail(self.logs / (log + '.log'))}")
-
     def _start_containerd(self) -> None:
         root = self.cache / "containerd"
         root.mkdir(parents=True, exist_ok=True)
@@ -310,25 +263,25 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 """
         (self.state / "containerd.toml").write_text(config)
         # tini reaps the container shims that outlive their parent.
-        self._spawn("containerd", ["tini", "-s", "--", "containerd", "--config", str(self.state / "containerd.toml")])
-        self._wait("containerd", lambda: self.ctr("version", check=False).returncode == 0, "containerd")
+        self.daemons.spawn("containerd", ["tini", "-s", "--", "containerd", "--config", str(self.state / "containerd.toml")])
+        self.daemons.wait("containerd", lambda: self.ctr("version", check=False).returncode == 0, "containerd")
 
     def _start_dockerd(self) -> None:
         data = self.cache / "docker"
         data.mkdir(parents=True, exist_ok=True)
         (self.state / "daemon.json").write_text("{}")
         # No bridge and no iptables: builds run with --network host, the host's firewall stays as is.
-        self._spawn("dockerd", [
+        self.daemons.spawn("dockerd", [
             "tini", "-s", "--", "dockerd", "--data-root", str(data), "--exec-root", str(self.state / "docker-exec"),
             "-H", f"unix://{self.docker_socket}", "--pidfile", str(self.state / "dockerd.pid"),
             "--containerd", str(self.containerd_socket), "--config-file", str(self.state / "daemon.json"),
             "--iptables=false", "--ip-forward=false", "--ip-masq=false", "--bridge=none"])
-        self._wait("dockerd", lambda: self.docker("version", check=False, capture_output=True).returncode == 0,
-                   "dockerd")
+        self.daemons.wait("dockerd", lambda: self.docker("version", check=False, capture_output=True).returncode == 0,
+                          "dockerd")
 
     def _start_control_plane(self, api_port: int, server: str, tokens: dict[str, str]) -> None:
         etcd_port, etcd_peer = free_port(), free_port()
-        self._spawn("etcd", [
+        self.daemons.spawn("etcd", [
             "etcd", "--data-dir", str(self.state / "etcd-data"),
             "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
             "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
@@ -336,7 +289,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
             "--initial-cluster", f"default=http://127.0.0.1:{etcd_peer}", "--unsafe-no-fsync"])
         certs = self.state / "certs"
-        self._spawn("kube-apiserver", [
+        self.daemons.spawn("kube-apiserver", [
             self._bins["kube-apiserver"],
             f"--etcd-servers=http://127.0.0.1:{etcd_port}",
             f"--bind-address={NODE_IP}", f"--advertise-address={NODE_IP}",
@@ -364,14 +317,14 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             req = urllib.request.Request(f"{server}/readyz", headers={"Authorization": f"Bearer {tokens['admin']}"})
             with urllib.request.urlopen(req, context=ctx, timeout=5) as resp:
                 return resp.status == 200
-        self._wait("kube-apiserver", ready, "kube-apiserver")
+        self.daemons.wait("kube-apiserver", ready, "kube-apiserver")
         common = ["--leader-elect=false", "--port=0", "--bind-address=127.0.0.1"]
-        self._spawn("kube-scheduler", [
+        self.daemons.spawn("kube-scheduler", [
             self._bins["kube-scheduler"], f"--kubeconfig={self.state / 'kube-scheduler.kubeconfig'}",
             f"--authentication-kubeconfig={self.state / 'kube-scheduler.kubeconfig'}",
             f"--authorization-kubeconfig={self.state / 'kube-scheduler.kubeconfig'}",
             f"--secure-port={free_port()}", *common])
-        self._spawn("kube-controller-manager", [
+        self.daemons.spawn("kube-controller-manager", [
             self._bins["kube-controller-manager"], f"--kubeconfig={self.state / 'kube-controller-manager.kubeconfig'}",
             f"--secure-port={free_port()}", *common,
             "--controllers=*,-nodeipam,-cloud-node-lifecycle,-route,-service",
@@ -400,7 +353,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             "protectKernelDefaults": False,
         }
         (self.state / "kubelet.yaml").write_text(yaml.safe_dump(config))
-        self._spawn("kubelet", [
+        self.daemons.spawn("kubelet", [
             self._bins["kubelet"], f"--config={self.state / 'kubelet.yaml'}",
             f"--kubeconfig={self.state / 'kubelet.kubeconfig'}",
             "--container-runtime=remote", f"--container-runtime-endpoint=unix://{self.containerd_socket}",
@@ -408,7 +361,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             f"--node-ip={NODE_IP}", f"--hostname-override={NODE_NAME}",
             "--oom-score-adj=0", "--v=1"])
         proxy_health, proxy_metrics = free_port(), free_port()
-        self._spawn("kube-proxy", [
+        self.daemons.spawn("kube-proxy", [
             self._bins["kube-proxy"], f"--kubeconfig={self.state / 'kube-proxy.kubeconfig'}",
             "--proxy-mode=iptables", f"--cluster-cidr={CLUSTER_CIDR}", f"--hostname-override={NODE_NAME}",
             f"--bind-address={NODE_IP}", f"--healthz-bind-address=127.0.0.1:{proxy_health}",
@@ -421,12 +374,12 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         hosts_dir = self.state / "dns"
         hosts_dir.mkdir(exist_ok=True)
         hosts_dir.chmod(0o755)
-        self._spawn("dnsmasq", [
+        self.daemons.spawn("dnsmasq", [
             "dnsmasq", "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv", "--no-hosts",
             f"--hostsdir={hosts_dir}", f"--local=/{CLUSTER_DOMAIN}/", "--domain-needed",
             "--bind-interfaces", f"--listen-address={NODE_IP}", "--port=53", "--user=root",
             f"--log-facility={self.logs / 'dnsmasq-queries.log'}"])
-        self._spawn("dns-feeder", [
+        self.daemons.spawn("dns-feeder", [
             sys.executable, "-m", "afd_devcluster.realnode.dns", "--kubeconfig", str(self.kubeconfig),
             "--hosts-file", str(hosts_dir / "cluster.hosts"), "--domain", CLUSTER_DOMAIN])
         # The kube-dns Service points at dnsmasq on the node address (no selector: its
@@ -446,7 +399,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             out = self.kubectl("get", "node", NODE_NAME, "-o",
                                "jsonpath={.status.conditions[?(@.type=='Ready')].status}", check=False)
             return out.stdout.strip() == "True"
-        self._wait(f"node {NODE_NAME}", ready, "kubelet")
+        self.daemons.wait(f"node {NODE_NAME}", ready, "kubelet")
 
     # ---- stop -------------------------------------------------------------------------------
 
@@ -460,17 +413,17 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             return self._stop()
 
     def _stop(self) -> list[str]:
-        if self._alive("kubelet") and self._alive("kube-apiserver"):
+        if self.daemons.alive("kubelet") and self.daemons.alive("kube-apiserver"):
             self._drain()
         for name in DAEMONS:
             if name == "containerd":
                 self._remove_containers()
-            if name == "kube-proxy" and self._alive(name):
-                self._signal_stop(name)
+            if name == "kube-proxy" and self.daemons.alive(name):
+                self.daemons.stop(name)
                 # Its iptables rules stay behind when it exits; its own cleanup mode removes them.
                 subprocess.run([self._bin_or_cached("kube-proxy"), "--cleanup"], capture_output=True)
                 continue
-            self._signal_stop(name)
+            self.daemons.stop(name)
         self._kill_shims()
         diffs: list[str] = []
         if self.record_file.exists():
@@ -501,7 +454,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 
     def _remove_containers(self) -> None:
         """Kill and delete whatever containerd still runs (a crashed test leaves some)."""
-        if not self._alive("containerd"):
+        if not self.daemons.alive("containerd"):
             return
         for namespace in ("k8s.io", "moby"):
             base = ["ctr", "--address", str(self.containerd_socket), "--namespace", namespace]
@@ -510,33 +463,6 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
                 subprocess.run([*base, "tasks", "delete", "-f", cid], capture_output=True)
             for cid in subprocess.run([*base, "containers", "ls", "-q"], capture_output=True, text=True).stdout.split():
                 subprocess.run([*base, "containers", "delete", cid], capture_output=True)
-
-    def _signal_stop(self, name: str) -> None:
-        pid = self._pid(name)
-        if pid is None:
-            (self.pids / f"{name}.pid").unlink(missing_ok=True)
-            return
-        try:
-            os.killpg(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
-        while time.monotonic() < deadline and self._alive(name):
-            if name in self._procs:
-                try:
-                    self._procs[name].wait(timeout=0.2)
-                except subprocess.TimeoutExpired:
-                    pass
-            else:
-                time.sleep(0.2)
-        if self._alive(name):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            if name in self._procs:
-                self._procs[name].wait(timeout=10)
-        (self.pids / f"{name}.pid").unlink(missing_ok=True)
 
     def _kill_shims(self) -> None:
         """containerd-shim processes of this node's containerd that outlived it."""

@@ -11,7 +11,7 @@ from functools import cached_property
 from typing import Any, Mapping, Optional, Protocol
 
 from ..api import AFDDeploymentSpec
-from ..controller import Decision
+from ..decisions import Decision
 from ..memory import DeploymentMemory
 from ..observe import Observed, ObservedObject
 from ..planner import InstancePlan, Plan, instance_frame

@@ -4,7 +4,7 @@ next reconciliation sees it before the watch cache does."""
 from __future__ import annotations
 
 from .. import naming
-from ..controller import CreatePods, DeletePods, SetServing, StartDrain
+from ..decisions import CreatePods, DeletePods, SetServing, StartDrain
 from ..observe import Observed, format_time, parse_time, summarize_pod
 from ..planner import plan_pods
 from ..render import render_pod, role_pieces

@@ -121,7 +121,7 @@ class AFDConfigHook:
 
 
 def require_afd_model(vllm_config: Any, cfg: AFDConfig, architecture: str, wrapped: tuple[str, ...]) -> None:
-    """The checkpoint's config is one the plugin serves (``model.spec_from_config``: the same
+    """The checkpoint's config is one the plugin serves (``moe_spec.spec_from_config``: the same
     answer the FFN servers and ``afdctl validate`` give), its architecture has an AFD wrapper,
     and its routed experts split evenly over the FFN ranks."""
     spec = model_spec(vllm_config.model_config)

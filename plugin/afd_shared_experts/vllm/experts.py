@@ -31,7 +31,8 @@ from ..attention import RemoteMoE
 from ..config import AFDConfig
 from ..connector import P2PConnector
 from ..metrics import RuntimeMetrics
-from ..model import MoESpec, SharedExpertWeights
+from ..model import SharedExpertWeights
+from ..moe_spec import MoESpec
 from ..ops import RemoteLayer, register, remote_moe, set_stage_source
 from ..roles import attention_role_rank
 from ..tp import all_gather_and_trim, shard_tokens

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..model import CheckpointError, CheckpointReader, MoESpec, require_even_split
+from ..model import CheckpointReader, require_even_split
+from ..moe_spec import CheckpointError, MoESpec
 from .compat import SUPPORTED_VLLM_VERSION
 
 # (parameter, checkpoint projection, shard) of the merged gate_up projection, as in
