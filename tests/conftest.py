@@ -22,13 +22,15 @@ settings.load_profile("afd")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
 # Every test is in exactly one tier, by what it needs (the first that applies):
-#   whole_machine  real vLLM servers (an engine beside FFN server processes) or the real node:
+#   whole_machine  real vLLM servers (an engine beside FFN server processes), the real node, or
+#                  FFN pods of 16 ranks (23 rank processes and 22 Attention ranks at once):
 #                  each uses most of this machine's memory and cores;
 #   vllm           runs the vLLM venv's python ($AFD_VLLM_PYTHON) in single processes;
 #   apiserver      the real etcd + kube-apiserver (the `cluster` fixture);
 #   unit           none of these.
 # README.md ("Test tiers") has each tier's command and time.
-WHOLE_MACHINE_MODULES = ("tests/plugin/test_vllm_e2e_offline.py", "tests/plugin/test_vllm_ffn_multi_rank.py",
+WHOLE_MACHINE_MODULES = ("tests/plugin/test_ffn_supervisor.py", "tests/plugin/test_vllm_e2e_offline.py",
+                         "tests/plugin/test_vllm_ffn_multi_rank.py",
                          "tests/plugin/test_vllm_model_families.py", "tests/plugin/test_vllm_serve_e2e.py",
                          "tests/realnode/")
 # Modules that run the vLLM venv's python (the whole-machine ones among them).

@@ -107,7 +107,7 @@ def test_pod_failure_recreates_whole_instance_with_backoff() -> None:
     assert [(type(a), a.role) for a in d3.actions] == [(CreatePods, "ffn")]
 
 
-def test_a_failed_pods_reason_quotes_the_last_line_of_its_termination_message() -> None:
+def test_a_failed_pods_reason_quotes_the_refusal_or_last_line_of_its_termination_message() -> None:
     def failed(message: Optional[str]) -> Optional[str]:
         terminated = {"exitCode": 1, "reason": "Error", **({"message": message} if message is not None else {})}
         body = {"metadata": {"name": "x-abc-0-attn-0", "labels": {
@@ -121,6 +121,13 @@ def test_a_failed_pods_reason_quotes_the_last_line_of_its_termination_message() 
     assert failed(log_tail) == ("container attention Error (exit code 1): "
                                 "PeerLostError: rank 0 (attention): AFD rendezvous failed")
     assert failed(None) == failed("  \n") == "container attention Error (exit code 1)"
+    # An engine refusing its checkpoint: the plugin's line, not what vLLM's traceback ends with.
+    refused = ("ERROR 12-03 10:00:00 [compat.py:113] afd: refused: model.path: model_type 'mixtral' is not "
+               "served by the plugin\nTraceback (most recent call last):\n  ...\npydantic_core."
+               "ValidationError: 1 validation error for VllmConfig\n    For further information visit "
+               "https://errors.pydantic.dev/2.12/v/value_error\n")
+    assert failed(refused) == ("container attention Error (exit code 1): afd: refused: model.path: model_type "
+                               "'mixtral' is not served by the plugin")
     long_line = failed("E" * 1000)
     assert long_line.endswith("...") and len(long_line.split(": ", 1)[1]) == TERMINATION_LINE_CHARS
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Mapping, Optional
 
+from afd_shared_experts.config import REFUSAL_MARKER
+
 from . import naming
 
 def parse_time(value: Optional[str]) -> Optional[float]:
@@ -78,24 +80,26 @@ def _condition(status: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
 TERMINATION_LINE_CHARS = 240
 
 
-def _last_line(message: Optional[str]) -> str:
+def _cause_line(message: Optional[str]) -> str:
+    """The plugin's refusal line (from its marker on) where the message holds one, else its
+    last line: an engine refusing its config ends its log with vLLM's traceback after it."""
     lines = [line.strip() for line in (message or "").splitlines() if line.strip()]
-    if not lines:
-        return ""
-    line = lines[-1]
+    refusals = [line[line.index(REFUSAL_MARKER):] for line in lines if REFUSAL_MARKER in line]
+    line = (refusals or lines or [""])[-1]
     return line if len(line) <= TERMINATION_LINE_CHARS else line[:TERMINATION_LINE_CHARS - 3] + "..."
 
 
 def _termination(status: Mapping[str, Any]) -> Optional[str]:
-    """Why the pod's container ended, with the last line of its termination message: the
-    tail of its log when it failed (the pods' terminationMessagePolicy), usually the error, so
-    the event still names the cause after the pod is recreated."""
+    """Why the pod's container ended, with the cause from its termination message: the tail
+    of its log when it failed (the pods' terminationMessagePolicy), the plugin's refusal line
+    or else the last line, usually the error, so the event still names the cause after the pod
+    is recreated."""
     for cs in status.get("containerStatuses") or []:
         term = (cs.get("state") or {}).get("terminated")
         if term:
             reason = term.get("reason") or "Terminated"
             ended = f"container {cs.get('name')} {reason} (exit code {term.get('exitCode')})"
-            last = _last_line(term.get("message"))
+            last = _cause_line(term.get("message"))
             return f"{ended}: {last}" if last else ended
     return None
 

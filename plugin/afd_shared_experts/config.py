@@ -55,6 +55,11 @@ def stage_limit(*, platform: str, worker_cls: str | None = None, speculative: bo
     return MAX_STAGES, ""
 
 
+# Starts the one log line an AFD engine writes when it refuses its config or checkpoint (vLLM
+# reports the refusal after a traceback); the operator quotes that line in its events.
+REFUSAL_MARKER = "afd: refused:"
+
+
 class AFDConfigError(ValueError):
     """Invalid ``afd`` configuration; the message starts with the field path."""
 

@@ -47,6 +47,8 @@ CHILD_DEADLINE_SECONDS = 600.0
 # After a rank fails, how long to wait for its peers' errors: the rank that failed first
 # closes its connections before it reports, so a peer's "connection closed" may arrive first.
 FAILURE_REPORTS_SECONDS = 2.0
+# How long ranks that delivered their results get, together, to exit on their own.
+EXIT_GRACE_SECONDS = 10.0
 
 
 class SelfCheckError(RuntimeError):
@@ -290,6 +292,7 @@ def run_topologies(runs: list[RunSpec], hidden_states: torch.Tensor) -> list[Run
     for worker in workers:
         worker.start()
     collected: dict[tuple[int, str, int], object] = {}
+    finished = False
     try:
         deadline = time.monotonic() + CHILD_DEADLINE_SECONDS
         while len(collected) < len(jobs) * len(runs):
@@ -308,8 +311,10 @@ def run_topologies(runs: list[RunSpec], hidden_states: torch.Tensor) -> list[Run
                 raise SelfCheckError(prefix + "\n".join(failures))
             collected[(number, role, index)] = payload
             deadline = time.monotonic() + CHILD_DEADLINE_SECONDS
+        finished = True
     finally:
-        _reap(workers)
+        # After a failure the other ranks wait on the one that failed: no use waiting for them.
+        _reap(workers, EXIT_GRACE_SECONDS if finished else 0.0)
     return [_run_result(run, spec, num_tokens,
                         [collected[(number, "attention", a)] for a in range(attention_ranks)],
                         [collected[(number, "ffn", f)] for f in range(ffn_ranks)])
@@ -356,10 +361,12 @@ def _run_result(run: RunSpec, spec, num_tokens: int, attention: list[AttentionRe
     return RunResult(outputs=outputs, report=report)
 
 
-def _reap(workers) -> None:
-    """No rank outlives the tool: join briefly, then terminate, then kill."""
+def _reap(workers, grace_seconds: float) -> None:
+    """No rank outlives the tool: all of them get `grace_seconds` together to exit, then the
+    rest are terminated, then killed."""
+    deadline = time.monotonic() + grace_seconds
     for worker in workers:
-        worker.join(timeout=10)
+        worker.join(timeout=max(0.0, deadline - time.monotonic()))
     for worker in workers:
         if worker.is_alive():
             worker.terminate()

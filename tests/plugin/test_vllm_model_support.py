@@ -3,7 +3,8 @@ config (EngineArgs.create_engine_config, no engine) with the plugin loaded: ever
 builds an AFD engine config (DeepSeek-V3.2 too, which is not started here); a checkpoint the plugin cannot serve is refused before any
 process starts with one line naming the checkpoint's key, the same line the FFN server and
 `afdctl validate` give (``moe_spec.spec_from_config``); without an afd block nothing changes. And
-`vllm serve --load-format afd` on such a checkpoint exits with that line, never healthy."""
+`vllm serve --load-format afd` on such a checkpoint exits with that line, never healthy, and the
+operator's event for such a pod quotes it."""
 
 import json
 import re
@@ -12,6 +13,7 @@ import subprocess
 import pytest
 
 from afd_devcluster.checkpoints import model_config, write_config_checkpoint
+from afd_operator.observe import summarize_pod
 from afd_shared_experts.moe_spec import CheckpointError, load_spec
 from vllm_harness import afd_block, base_env, free_port, install_testbed_plugin, run_driver, vllm_console_script
 
@@ -72,10 +74,23 @@ def test_experts_that_do_not_split_over_the_ffn_ranks_are_refused(root):
 def test_vllm_serve_on_an_unservable_checkpoint_exits_with_the_reason(root):
     model = write_config_checkpoint(root / "mixtral-serve", REFUSED["mixtral"][0])
     block = afd_block("attention", port=free_port())
+    # One stream, as a container's log is.
     run = subprocess.run([vllm_console_script(), "serve", str(model), "--port", str(free_port()), "--load-format",
                           "afd", "--additional-config", json.dumps(block), "--dtype", "float32",
-                          "--max-model-len", "512"], capture_output=True, text=True, env=base_env(), timeout=300)
+                          "--max-model-len", "512"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=base_env(), timeout=300)
     assert run.returncode != 0
-    # The reason as one line of its own (besides vLLM's traceback of the failed config).
-    lines = [line for line in (run.stdout + run.stderr).splitlines() if "afd: refused: " in line]
-    assert len(lines) == 1 and re.search(r"model_type must be one of .* \(got 'mixtral'\)$", lines[0]), lines
+    # The reason as one line of its own (besides vLLM's traceback of the failed config), and the
+    # same line again as the last one of the log, after the traceback.
+    lines = [line for line in run.stdout.splitlines() if "afd: refused: " in line]
+    assert len(lines) == 2, lines
+    assert all(re.search(r"model_type must be one of .* \(got 'mixtral'\)$", line) for line in lines), lines
+    assert run.stdout.rstrip().splitlines()[-1] == lines[1]
+    # The operator's event: the termination message is the log's tail (FallbackToLogsOnError:
+    # at most 2048 bytes); the event quotes the refusal.
+    pod = {"metadata": {"name": "m-abc-0-attn-0", "labels": {
+               "afd.inference.dev/instance": "m-abc-0", "afd.inference.dev/revision": "abc",
+               "afd.inference.dev/role": "attention", "afd.inference.dev/pod-ordinal": "0"}},
+           "status": {"phase": "Failed", "containerStatuses": [{"name": "attention", "state": {"terminated": {
+               "exitCode": run.returncode, "reason": "Error", "message": run.stdout[-2048:]}}}]}}
+    assert re.search(r": afd: refused: .*model_type must be one of", summarize_pod(pod).termination)

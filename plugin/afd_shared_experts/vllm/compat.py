@@ -8,12 +8,14 @@ plugin entry point.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import AFDConfig, parse_afd_config
+from ..config import REFUSAL_MARKER, AFDConfig, parse_afd_config
 from ..moe_spec import MoESpec, load_spec, spec_from_config
 
 SUPPORTED_VLLM_VERSION = "0.23.0"
@@ -109,8 +111,10 @@ class AFDConfigHook:
             require_afd_model(vllm_config, cfg, self.architecture, self.wrapped)
         except ValueError as exc:
             # vLLM reports a failed config inside a pydantic ValidationError after a traceback:
-            # the reason also goes out as one line of its own.
-            logger.error("afd: refused: %s", exc)
+            # the reason also goes out as one line of its own, and again as the process's last
+            # line (after the traceback), which a pod's termination message keeps.
+            logger.error("%s %s", REFUSAL_MARKER, exc)
+            atexit.register(print, f"{REFUSAL_MARKER} {exc}", file=sys.stderr, flush=True)
             raise
         force_eager_for_afd(vllm_config)
         install_staged_worker(vllm_config)
