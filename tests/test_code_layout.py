@@ -5,7 +5,9 @@
   by their file name: pyproject's `pythonpath` and pytest's rootdir conftests put those folders
   on sys.path);
 - no file outside tests/ edits sys.path: scripts, benchmarks and the packages import what is
-  installed (the dev venv holds all three packages).
+  installed (the dev venv holds all three packages);
+- no Python file of the project grows past MAX_MODULE_LINES: a longer one holds two things
+  that the next change would rather find apart.
 
 An import counts when it runs at import time: at module level, also inside `if`, `try`,
 `with` and class bodies, and under `if TYPE_CHECKING:` (a cycle there still ties the two
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 PACKAGE_ROOTS = ("operator", "plugin", "devcluster")
-HELPER_FOLDERS = ("tests", "tests/plugin")
+HELPER_FOLDERS = ("tests", "tests/plugin", "tests/realnode")
 
 
 def project_modules(repo_root: Path) -> dict[str, Path]:
@@ -152,14 +154,35 @@ def test_lazy_imports_do_not_count_and_type_checking_ones_do(tmp_path: Path) -> 
         "afd_example.c": {"afd_example.a"}}
 
 
-def test_no_sys_path_edits_outside_tests(repo_root: Path) -> None:
+def python_files(repo_root: Path) -> list[str]:
+    """The project's Python files (tracked or new, not ignored), relative to the root."""
     listed = subprocess.run(["git", "-C", str(repo_root), "ls-files", "-z", "-co", "--exclude-standard", "*.py"],
                             capture_output=True, check=True, text=True).stdout.split("\0")
-    sources = [repo_root / rel for rel in listed if rel and not rel.startswith("tests/") and (repo_root / rel).is_file()]
+    return [rel for rel in listed if rel and (repo_root / rel).is_file()]
+
+
+def test_no_sys_path_edits_outside_tests(repo_root: Path) -> None:
+    sources = [repo_root / rel for rel in python_files(repo_root) if not rel.startswith("tests/")]
     assert any(path.name == "e2e_cpu.py" for path in sources)
     edits = {str(path.relative_to(repo_root)): lines for path in sources
              if (lines := edits_sys_path(ast.parse(path.read_text(), str(path))))}
     assert edits == {}
+
+
+MAX_MODULE_LINES = 500
+# Longer on purpose, with why (their limit is where they stand now: they may shrink, not grow).
+LONGER_MODULES = {
+    # The transport contract beside its only implementation; P2PConnector is one state machine
+    # whose Attention and FFN halves share the links, the liveness checks and the frame pools.
+    "plugin/afd_shared_experts/connector.py": 522,
+}
+
+
+def test_modules_stay_short(repo_root: Path) -> None:
+    lengths = {rel: len((repo_root / rel).read_text().splitlines()) for rel in python_files(repo_root)}
+    assert set(LONGER_MODULES) <= set(lengths)
+    too_long = {rel: lines for rel, lines in lengths.items() if lines > LONGER_MODULES.get(rel, MAX_MODULE_LINES)}
+    assert too_long == {}
 
 
 def test_every_kind_of_sys_path_edit_is_seen() -> None:

@@ -179,6 +179,8 @@ def test_examples_plan(examples: list) -> None:
 
 @pytest.mark.parametrize("overrides, stages", [
     ({"platform": "cpu"}, 2),  # the default where the stage rule allows it
+    ({"platform": "cpu", "sharedExperts": {"placement": "attention"}}, 1),  # little to overlap on the FFN side
+    ({"platform": "cpu", "sharedExperts": {"placement": "attention"}, "async": {"stages": 2}}, 2),
     ({}, 1),  # ascend: the stage rule allows 1
     ({"platform": "cpu", "attention": {"engineArgs": ["--pipeline-parallel-size", "2"]}}, 1),
     ({"platform": "cpu", "attention": {"engineArgs": ["--enable-dbo"]}}, 1),

@@ -225,7 +225,8 @@ class AsyncSpec(Strict):
         None, ge=1, le=MAX_STAGES,
         description="Micro-batch stages of each Attention step, ping-pong with the FFN side (the FFN computes one "
         "micro-batch while the Attention side computes the next); more than 1 on platform cpu only. Default: "
-        f"{DEFAULT_STAGES} where allowed (platform cpu, no engine argument that refuses stages), else 1.")
+        f"{DEFAULT_STAGES} where allowed (platform cpu, no engine argument that refuses stages, shared experts on the "
+        "FFN side: under sharedExperts.placement 'attention' the FFN side holds too little to overlap), else 1.")
     min_split_tokens: MinSplitTokensSpec = Field(
         default_factory=MinSplitTokensSpec, description="Steps below these sizes run unsplit whatever `stages` says.")
 

@@ -204,9 +204,14 @@ def spec_stage_limit(spec: AFDDeploymentSpec) -> tuple[int, str]:
 
 def resolve_stages(spec: AFDDeploymentSpec) -> int:
     """Micro-batch stages per Attention step: spec.async.stages, else DEFAULT_STAGES where the
-    plugin's stage rule and the step's token budget allow it, 1 otherwise."""
+    plugin's stage rule and the step's token budget allow it and the shared experts run on the
+    FFN side, 1 otherwise. Under placement 'attention' the FFN side holds too little of a step
+    to overlap: 2 stages never paid there (docs/benchmarks.md: 1.00x and 0.62x of one stage,
+    against perfect-overlap bounds of 1.21x and 1.16x)."""
     if spec.async_.stages is not None:
         return spec.async_.stages
+    if spec.shared_experts.placement == "attention":
+        return 1
     limit, _ = spec_stage_limit(spec)
     return min(DEFAULT_STAGES, limit, spec.model.max_num_batched_tokens)
 

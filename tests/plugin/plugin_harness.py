@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -128,6 +129,22 @@ def make_connector(spec, role: str, rank: int, attention_ranks: int, ffn_ranks: 
                     shared_experts=SharedExpertsConfig(placement, partition))
     layout = WireLayout.for_world(spec, cfg, dtype=dtype, token_budget=max_tokens)
     return P2PConnector.from_config(cfg, role=role, rank=rank, layout=layout, **options)
+
+
+# Enough of a model spec for connectors that only rendezvous (no checkpoint, no payload).
+RENDEZVOUS_ONLY_SPEC = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2,
+                                       placement=lambda requested: requested)
+
+
+def connected(model_dir, attention_ranks: int, ffn_ranks: int, timeout: float = 10.0, dtype=torch.float32):
+    """(spec, connectors) of an initialized world over loopback: Attention ranks first, as threads."""
+    spec = load_spec(model_dir)
+    port = free_port()
+    made = [make_connector(spec, "attention" if r < attention_ranks else "ffn", r, attention_ranks, ffn_ranks, port,
+                           timeout=timeout, dtype=dtype)
+            for r in range(attention_ranks + ffn_ranks)]
+    run_threads([c.init for c in made])
+    return spec, made
 
 
 class ThreadWorld:

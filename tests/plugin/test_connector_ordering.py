@@ -8,7 +8,6 @@ transport must catch an ordering that deadlocks there (the old connector's).
 import multiprocessing
 import threading
 from datetime import timedelta
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +20,8 @@ from afd_shared_experts.errors import DeviceUnavailableError
 from afd_shared_experts.moe_spec import load_spec
 from afd_shared_experts.selfcheck import token_range
 from in_order_transport import InOrderTransport, one_communicator_per_rank
-from plugin_harness import ThreadWorld, assert_matches_oracle, make_connector, oracle_outputs, run_threads
+from plugin_harness import (RENDEZVOUS_ONLY_SPEC, ThreadWorld, assert_matches_oracle, make_connector, oracle_outputs,
+                            run_threads)
 
 DEADLOCK_BOUND_SECONDS = 3.0
 WORK_TAG, REPLY_TAG = 1, 3
@@ -196,7 +196,7 @@ def test_data_plane_is_agreed_by_the_whole_world():
 
 
 def test_connector_construction_fails_fast_on_bad_options():
-    spec = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2, placement=lambda requested: requested)
+    spec = RENDEZVOUS_ONLY_SPEC
     with pytest.raises(ValueError, match=r"data_plane must be one of auto, direct, staged \(got 'nccl'\)"):
         make_connector(spec, "ffn", 1, 1, 1, free_port(), timeout=1, data_plane="nccl")
     assert make_connector(spec, "ffn", 1, 1, 1, free_port(), timeout=1).requested_data_plane == "auto"

@@ -1,6 +1,5 @@
 """Connector, FFN loop and Attention-side behaviours over real gloo ranks."""
 
-import multiprocessing
 from contextlib import contextmanager
 import subprocess
 import threading
@@ -8,18 +7,16 @@ import time
 import urllib.error
 import urllib.request
 from datetime import timedelta
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from afd_devcluster import free_port
-from afd_shared_experts.attention import AttentionMoELayer, RemoteMoE
+from afd_shared_experts.attention import RemoteMoE
 from afd_shared_experts.compute import route
 from afd_shared_experts.device import resolve_device
-from afd_shared_experts.errors import (ConnectorClosedError, DeviceUnavailableError, PairingError, PayloadError,
-                                      PeerLostError)
+from afd_shared_experts.errors import DeviceUnavailableError, PairingError, PayloadError
 from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
 from afd_shared_experts.metrics import ProbeServer
 from afd_shared_experts.model import CheckpointReader, load_attention_weights, load_ffn_weights, tensor_bytes
@@ -27,19 +24,8 @@ from afd_shared_experts.moe_spec import load_spec
 from afd_shared_experts.selfcheck import token_range
 from afd_shared_experts.tp import all_gather_and_trim, shard_tokens
 from afd_shared_experts.trace import TRACE_DIR_ENV, read_traces
-from plugin_harness import (DelayedCompletionTransport, ThreadWorld, assert_matches_oracle,
-                            attention_rank_that_idles, ffn_rank_that_serves, make_connector, oracle_outputs,
+from plugin_harness import (DelayedCompletionTransport, ThreadWorld, assert_matches_oracle, connected, oracle_outputs,
                             rss_bytes, run_threads)
-
-
-def connectors(model_dir, attention_ranks, ffn_ranks, timeout=10.0, dtype=torch.float32):
-    spec = load_spec(model_dir)
-    port = free_port()
-    made = [make_connector(spec, "attention" if r < attention_ranks else "ffn", r, attention_ranks, ffn_ranks, port,
-                           timeout=timeout, dtype=dtype)
-            for r in range(attention_ranks + ffn_ranks)]
-    run_threads([c.init for c in made])
-    return spec, made
 
 
 def test_zero_token_ranks_always_get_replies(checkpoints):
@@ -77,7 +63,7 @@ def test_padding_rows_are_never_dispatched(checkpoints):
 def one_attention_rank_served(model_dir):
     """1 Attention x 1 FFN rank (placement ffn), the FFN runtime serving: yields (spec, the
     Attention connector, the Attention weights, the runtime)."""
-    spec, (attention, ffn) = connectors(model_dir, 1, 1)
+    spec, (attention, ffn) = connected(model_dir, 1, 1)
     runtime = FFNRuntime(ffn, torch_experts(load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32))).start()
     try:
         yield spec, attention, load_attention_weights(model_dir, spec, "ffn", torch.float32), runtime
@@ -108,7 +94,7 @@ def test_replies_must_follow_each_attention_ranks_dispatch_order(checkpoints):
     """Replies carry no header: an Attention rank pairs them by order, so the FFN side refuses a
     reply to any work item but a source's oldest unanswered one, and a reply of the wrong size."""
     model_dir = checkpoints["deepseek_v2"]
-    spec, (attention, ffn) = connectors(model_dir, 1, 1)
+    spec, (attention, ffn) = connected(model_dir, 1, 1)
     weights = load_attention_weights(model_dir, spec, "ffn", torch.float32)
     runtime = FFNRuntime(ffn, torch_experts(load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32)))
     first, second = spec.moe_layers[:2]
@@ -162,187 +148,6 @@ def test_work_of_every_attention_rank_is_served_in_one_pass_whatever_the_arrival
     assert arrived[:3] == [2, 0, 1]  # then their shutdown notices
     for a, x in xs.items():
         assert_matches_oracle({layer: outs[a]}, oracle_outputs(model_dir, x, "float32", [layer]), "float32")
-
-
-def test_close_unblocks_blocking_receives(checkpoints):
-    model_dir = checkpoints["deepseek_v2"]
-    spec, (attention, ffn) = connectors(model_dir, 1, 1)
-    runtime = FFNRuntime(ffn, torch_experts(load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32))).start()
-    time.sleep(0.2)  # let the loop block in receive_work
-    runtime.stop(timeout=5)  # returns (no stored error) instead of hanging
-    assert not ffn.is_initialized
-
-    # Attention blocked on a reply that never comes (FFN alive, not serving); close() it.
-    attention.close()
-    spec, (attention, silent_ffn) = connectors(model_dir, 1, 1)
-    weights = load_attention_weights(model_dir, spec, "ffn", torch.float32)
-    layer = spec.moe_layers[0]
-    moe = AttentionMoELayer(weights[layer].gate, RemoteMoE(spec=spec, layer=layer, connector=attention,
-                                                           num_ffn_ranks=1, placement="ffn", partition="affinity",
-                                                           dtype=torch.float32))
-    errors = []
-    thread = threading.Thread(target=lambda: errors.append(_raises(moe.forward, torch.randn(2, spec.hidden_size))))
-    thread.start()
-    time.sleep(0.2)
-    attention.close()
-    thread.join(10)
-    assert not thread.is_alive()
-    assert isinstance(errors[0], ConnectorClosedError)
-    attention.close()  # idempotent
-    silent_ffn.close()
-
-
-def _raises(fn, *args):
-    try:
-        fn(*args)
-    except Exception as exc:
-        return exc
-    return None
-
-
-def test_close_after_partial_init_is_safe():
-    spec = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2, placement=lambda requested: requested)
-    connector = make_connector(spec, "ffn", 1, 1, 1, free_port(), timeout=1)
-    with pytest.raises(PeerLostError, match=r"rendezvous at 127\.0\.0\.1:\d+ for world size 2 failed"):
-        connector.init()  # nobody hosts the store
-    connector.close()
-    connector.close()
-    with pytest.raises(ConnectorClosedError):
-        connector.receive_work()
-
-
-def test_a_rank_waiting_since_before_rank_0_joins_within_its_window():
-    """The FFN servers retry the rendezvous until the Attention head hosts the store. A rank whose
-    previous attempt just expired must still join well inside rank 0's window; a TCPStore client
-    that found nobody listening sleeps a random backoff of about its timeout (the cause of a CI
-    failure: 17.8 s against rank 0's 15 s window)."""
-    spec = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2, placement=lambda requested: requested)
-    port = free_port()
-    joined = {}
-    give_up = time.monotonic() + 25
-
-    def ffn_rank_retrying():
-        while time.monotonic() < give_up:
-            connector = make_connector(spec, "ffn", 1, 1, 1, port, timeout=6)
-            try:
-                connector.init()
-                joined["ffn"] = time.monotonic()
-                return connector
-            except PeerLostError:
-                connector.close()
-                time.sleep(0.5)
-        raise AssertionError("the FFN rank never joined")
-
-    def attention_rank_after_first_attempt_expired():
-        time.sleep(6.2)
-        joined["attention_started"] = time.monotonic()
-        connector = make_connector(spec, "attention", 0, 1, 1, port, timeout=3)
-        connector.init()
-        return connector
-
-    made = run_threads([ffn_rank_retrying, attention_rank_after_first_attempt_expired], timeout=30)
-    try:
-        assert all(c.is_initialized for c in made)
-        assert joined["ffn"] - joined["attention_started"] < 3
-    finally:
-        for connector in made:
-            connector.close()
-
-
-def test_rank_0_waits_past_the_liveness_timeout_for_an_ffn_rank_still_loading():
-    """FFN servers join only once their experts are loaded, which can take longer than the
-    liveness timeout (a CI roll: an Attention head failed its rendezvous while its FFN pods were
-    loading on a busy node). Rank 0's bound is the rendezvous timeout; once the world is up,
-    liveness is the short timeout again."""
-    spec = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2, placement=lambda requested: requested)
-    port = free_port()
-
-    def attention_rank():
-        made = make_connector(spec, "attention", 0, 1, 1, port, timeout=1, rendezvous_timeout=30)
-        made.init()
-        return made
-
-    def ffn_rank_after_loading():
-        time.sleep(4)  # four liveness timeouts
-        made = make_connector(spec, "ffn", 1, 1, 1, port, timeout=1, rendezvous_timeout=30)
-        made.init()
-        return made
-
-    started = time.monotonic()
-    made = run_threads([attention_rank, ffn_rank_after_loading], timeout=40)
-    try:
-        assert all(c.is_initialized for c in made) and time.monotonic() - started >= 4
-        assert [c.timeout_seconds for c in made] == [1.0, 1.0]
-    finally:
-        for c in made:
-            c.close()
-
-
-def test_rank_0_gives_up_after_the_rendezvous_timeout():
-    spec = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lambda ffn_ranks: 2, placement=lambda requested: requested)
-    connector = make_connector(spec, "attention", 0, 1, 1, free_port(), timeout=1)
-    started = time.monotonic()
-    with pytest.raises(PeerLostError, match=r"for world size 2 failed within 1(\.0)?s: .*1/2 clients joined"):
-        connector.init()  # no FFN rank ever joins
-    assert time.monotonic() - started < 15
-    connector.close()
-
-
-def test_killed_ffn_rank_fails_attention_within_timeout(checkpoints):
-    model_dir = checkpoints["deepseek_v2"]
-    spec = load_spec(model_dir)
-    port = free_port()
-    context = multiprocessing.get_context("spawn")
-    ready = context.Event()
-    child = context.Process(target=ffn_rank_that_serves, args=(str(model_dir), port, ready), daemon=True)
-    child.start()
-    attention = make_connector(spec, "attention", 0, 1, 1, port, timeout=3)
-    try:
-        assert ready.wait(60)
-        attention.init()
-        weights = load_attention_weights(model_dir, spec, "ffn", torch.float32)
-        layer = spec.moe_layers[0]
-        moe = AttentionMoELayer(weights[layer].gate, RemoteMoE(spec=spec, layer=layer, connector=attention,
-                                                               num_ffn_ranks=1, placement="ffn", partition="affinity",
-                                                               dtype=torch.float32))
-        moe.forward(torch.randn(3, spec.hidden_size))  # healthy step
-        child.kill()
-        child.join(10)
-        started = time.monotonic()
-        with pytest.raises(PeerLostError, match=r"FFN rank 0 \(world rank 1\)"):
-            moe.forward(torch.randn(3, spec.hidden_size))
-        assert time.monotonic() - started < 3 + 2  # the configured timeout bounds the failure
-    finally:
-        attention.close()
-        if child.is_alive():
-            child.kill()
-        child.join(10)
-
-
-def test_killed_attention_rank_fails_ffn_loop_with_clear_error(checkpoints):
-    model_dir = checkpoints["deepseek_v2"]
-    spec = load_spec(model_dir)
-    port = free_port()
-    context = multiprocessing.get_context("spawn")
-    ready = context.Event()
-    child = context.Process(target=attention_rank_that_idles, args=(str(model_dir), port, 2, 1, 1, ready), daemon=True)
-    child.start()
-    attention0 = make_connector(spec, "attention", 0, 2, 1, port, timeout=3)
-    ffn = make_connector(spec, "ffn", 2, 2, 1, port, timeout=3)
-    try:
-        assert ready.wait(60)
-        run_threads([attention0.init, ffn.init], timeout=60)
-        runtime = FFNRuntime(ffn, torch_experts(load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32))).start()
-        child.kill()
-        child.join(10)
-        with pytest.raises(PeerLostError, match=r"Attention rank 1"):
-            runtime.join(timeout=15)
-    finally:
-        attention0.close()
-        ffn.close()
-        if child.is_alive():
-            child.kill()
-        child.join(10)
 
 
 def test_thousand_steps_do_not_grow_memory(checkpoints):
@@ -565,7 +370,7 @@ def test_both_ends_count_the_same_steps(checkpoints):
     Attention rank's steps from its dispatches (a stage-0 dispatch of a layer not above the
     previous stage 0's starts a step) and agree."""
     model_dir = checkpoints["deepseek_v2"]
-    spec, (attention, ffn) = connectors(model_dir, 1, 1)
+    spec, (attention, ffn) = connected(model_dir, 1, 1)
     weights = load_attention_weights(model_dir, spec, "ffn", torch.float32)
     runtime = FFNRuntime(ffn, torch_experts(load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32)))
     x = torch.randn(3, spec.hidden_size)
