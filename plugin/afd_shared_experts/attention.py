@@ -13,7 +13,7 @@ import torch
 
 from .compute import combine, route, shared_expert_output
 from .connector import AFDConnector
-from .wire import COUNTS_AT, EXTRA_FIELD, KIND_WORK, ROWS_FIELD, DispatchTicket
+from .wire import KIND_WORK, DispatchTicket
 from .metrics import RuntimeMetrics
 from .model import GateWeights, SharedExpertWeights
 from .moe_spec import MoESpec
@@ -23,14 +23,12 @@ from .trace import clocks, stage_trace, trace_enabled
 
 @dataclass
 class PendingCombine:
-    """What the combine of one dispatch needs, all on the input's device: for each row in wire
-    order (by FFN rank, local expert, shared rows first, token) its (token, slot) row and where
-    its expert output lands in the flattened reply frames; for each token, where its shared
-    output lands (placement 'ffn')."""
+    """What the combine of one dispatch needs, all on the input's device: for each (token, slot)
+    row the row of the flattened reply frames [F * reply_capacity, H] holding its expert output,
+    and for each token where its shared output lands (placement 'ffn')."""
 
     ticket: DispatchTicket
-    order: torch.Tensor  # [T * k] (token, slot) row of each wire row
-    reply_index: torch.Tensor  # [T * k] row of the flattened reply frames [F * reply_capacity, H]
+    gather_index: torch.Tensor  # [T * k]
     shared_index: torch.Tensor | None  # [T]
     weights: torch.Tensor  # [T, k] float32
     num_tokens: int
@@ -75,6 +73,7 @@ class RemoteMoE:
         self.shared, self.metrics = shared, metrics
         self.trace = stage_trace("attention", connector.rank) if trace_enabled() else None
         self._static_headers: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+        self._frame_start_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                 num_tokens: int | None = None, stage: int = 0, stages: int = 1) -> torch.Tensor:
@@ -99,8 +98,20 @@ class RemoteMoE:
         if header is None:
             values = self.connector.layout.static_header(KIND_WORK, self.layer, stage, stages, self.connector.rank)
             # A copy up that never waits on the stream (first use of a key only).
-            header = self._static_headers[key] = torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+            header = self._static_headers[key] = torch.tensor([values], dtype=torch.int64).to(device, non_blocking=True)
         return header
+
+    def _frame_starts(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """[F] each FFN rank's first row in the flattened work frames (after its header) and in
+        the flattened reply frames, made on the device once."""
+        starts = self._frame_start_cache.get(device)
+        if starts is None:
+            layout = self.connector.layout
+            ranks = torch.arange(self.num_ffn_ranks, dtype=torch.int64)
+            starts = self._frame_start_cache[device] = (
+                (ranks * layout.work_rows + layout.header_rows).to(device, non_blocking=True),
+                (ranks * layout.reply_capacity).to(device, non_blocking=True))
+        return starts
 
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                  num_tokens: int | None = None, stage: int = 0, stages: int = 1) -> PendingCombine:
@@ -118,49 +129,55 @@ class RemoteMoE:
         x = hidden_states[:real].to(self.dtype)
         ids = topk_ids[:real].to(torch.int64).reshape(real, self.spec.top_k)
         top_k, ffn, local = ids.shape[1], self.num_ffn_ranks, self.local_experts
-        frame_rows, reply_rows, header_rows = layout.work_rows, layout.reply_capacity, layout.header_rows
-
         rows = real * top_k
-        token_of_row = torch.arange(rows, device=device) // top_k
+
+        # Wire order: by expert (so by FFN rank), within an expert the rows carrying their
+        # token's shared work first, then by token (rows are token-major and the sort stable).
         flat_ids = ids.reshape(-1)
         designated = self._designated_rows(ids)
-        key = (flat_ids * 2 + (~designated).long()) * (real + 1) + token_of_row
-        order = torch.argsort(key, stable=True)
-        counts = torch.zeros(2, self.spec.num_routed_experts, dtype=torch.int64, device=device)
-        counts[0].index_add_(0, flat_ids, torch.ones_like(flat_ids))
-        counts[1].index_add_(0, flat_ids, designated.long())
-        per_rank = counts.view(2, ffn, local).sum(2)  # [routed rows, designated rows] per FFN rank
-        starts = per_rank.cumsum(1) - per_rank
+        group = flat_ids * 2 + ~designated
+        order = torch.argsort(group, stable=True)
+        # Rows per (expert, designated first); index_add_ rather than bincount, whose CUDA
+        # kernel reads the largest value on the host.
+        counts = torch.zeros(2 * self.spec.num_routed_experts, dtype=torch.int64, device=device)
+        counts = counts.index_add_(0, group, torch.ones_like(group)).view(ffn, local, 2)
+        routed_counts, designated_counts = counts.sum(2), counts[:, :, 0]
+        per_rank = routed_counts.sum(1)
+        rank_start = per_rank.cumsum(0) - per_rank
         wire_rank = flat_ids.index_select(0, order) // local
-        wire_tokens = token_of_row.index_select(0, order)
-        position = torch.arange(rows, device=device) - starts[0].index_select(0, wire_rank)
+        wire_tokens = order // top_k
+        work_starts, reply_starts = self._frame_starts(device)
+        wire_row = torch.arange(rows, device=device)
 
         frames = self.connector.acquire()
-        flat_work = frames.work.view(ffn * frame_rows, hidden)
-        flat_work.index_copy_(0, wire_rank * frame_rows + header_rows + position, x.index_select(0, wire_tokens))
+        flat_work = frames.work.view(-1, hidden)
+        flat_work.index_copy_(0, wire_row + (work_starts - rank_start).index_select(0, wire_rank),
+                              x.index_select(0, wire_tokens))
+        reply_row = wire_row + (reply_starts - rank_start).index_select(0, wire_rank)
+        # The combine reads each (token, slot) row's output straight from the replies.
+        gather_index = torch.empty_like(reply_row).index_copy_(0, order, reply_row)
         extra = torch.zeros(ffn, dtype=torch.int64, device=device)
         shared_index = None
         if self.placement == "ffn" and self.partition == "contiguous":
             # Each token once more, after its range's rank's routed rows.
             token_rank, index_in_range, extra = contiguous_assignment(real, ffn, device)
-            slot = per_rank[0].index_select(0, token_rank) + index_in_range
-            flat_work.index_copy_(0, token_rank * frame_rows + header_rows + slot, x)
-            shared_index = token_rank * reply_rows + slot
+            slot = per_rank.index_select(0, token_rank) + index_in_range
+            flat_work.index_copy_(0, work_starts.index_select(0, token_rank) + slot, x)
+            shared_index = reply_starts.index_select(0, token_rank) + slot
         elif self.placement == "ffn":
             # Each token's one designated row; its shared output follows the rank's routed rows,
             # in the wire order of the rank's designated rows.
             wire_designated = designated.index_select(0, order)
-            nth_shared = wire_designated.long().cumsum(0) - 1 - starts[1].index_select(0, wire_rank)
+            designated_per_rank = designated_counts.sum(1)
+            designated_start = designated_per_rank.cumsum(0) - designated_per_rank
+            first_shared = reply_starts + per_rank - designated_start - 1
+            source = wire_designated.cumsum(0) + first_shared.index_select(0, wire_rank)
             target = torch.where(wire_designated, wire_tokens, real)  # non-designated rows land in slot `real`
-            source = wire_rank * reply_rows + per_rank[0].index_select(0, wire_rank) + nth_shared
             shared_index = torch.zeros(real + 1, dtype=torch.int64, device=device).scatter_(0, target, source)[:real]
 
-        headers = layout.headers(frames.work)
-        headers[:, :ROWS_FIELD] = self._static_header(stage, stages, device)
-        headers[:, ROWS_FIELD] = per_rank[0] + extra
-        headers[:, EXTRA_FIELD] = extra
-        headers[:, COUNTS_AT:COUNTS_AT + local] = counts[0].view(ffn, local)
-        headers[:, COUNTS_AT + local:] = counts[1].view(ffn, local)
+        layout.headers(frames.work).copy_(torch.cat([self._static_header(stage, stages, device).expand(ffn, -1),
+                                                     torch.stack([per_rank + extra, extra], 1), routed_counts,
+                                                     designated_counts], 1))
         ticket = self.connector.dispatch(self.layer, stage, frames, stages=stages)
         if started is not None:
             self.trace.record("dispatch", started[0], wall_ns=started[1], step=ticket.step, layer=self.layer, stage=stage,
@@ -171,9 +188,9 @@ class RemoteMoE:
                 real if self.placement == "ffn" else 0)
         # Under placement 'attention' the shared expert runs here while FFN ranks work.
         local_shared = shared_expert_output(x, self.shared) if self.placement == "attention" else None
-        return PendingCombine(ticket=ticket, order=order, reply_index=wire_rank * reply_rows + position,
-                              shared_index=shared_index, weights=topk_weights[:real].float().reshape(real, top_k),
-                              num_tokens=real, total_rows=total_rows, local_shared=local_shared)
+        return PendingCombine(ticket=ticket, gather_index=gather_index, shared_index=shared_index,
+                              weights=topk_weights[:real].float().reshape(real, top_k), num_tokens=real,
+                              total_rows=total_rows, local_shared=local_shared)
 
     def combine(self, pending: PendingCombine) -> torch.Tensor:
         started = clocks() if self.trace is not None else None
@@ -187,11 +204,10 @@ class RemoteMoE:
         real, top_k = pending.weights.shape
         hidden = frames.reply.shape[-1]
         replies = frames.reply.view(-1, hidden)
-        # Expert outputs back in (token, slot) order, then each token's weighted sum over its
-        # top-k in slot order: no atomics, the same float32 sum whatever the wire order.
-        by_slot = torch.empty(real * top_k, hidden, dtype=replies.dtype, device=replies.device)
-        by_slot.index_copy_(0, pending.order, replies.index_select(0, pending.reply_index))
-        routed_sum = (by_slot.view(real, top_k, hidden).float() * pending.weights[:, :, None]).sum(dim=1)
+        # Each token's expert outputs in slot order, then its weighted sum over its top-k in slot
+        # order: no atomics, the same float32 sum whatever the wire order.
+        by_slot = replies.index_select(0, pending.gather_index).view(real, top_k, hidden)
+        routed_sum = (by_slot.float() * pending.weights[:, :, None]).sum(dim=1)
         if pending.local_shared is not None:
             shared = pending.local_shared
         elif pending.shared_index is not None:
