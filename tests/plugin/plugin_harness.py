@@ -136,14 +136,26 @@ RENDEZVOUS_ONLY_SPEC = SimpleNamespace(hidden_size=8, top_k=2, local_experts=lam
                                        placement=lambda requested: requested)
 
 
-def connected(model_dir, attention_ranks: int, ffn_ranks: int, timeout: float = 10.0, dtype=torch.float32):
-    """(spec, connectors) of an initialized world over loopback: Attention ranks first, as threads."""
+def connected(model_dir, attention_ranks: int, ffn_ranks: int, timeout: float = 10.0, dtype=torch.float32, *,
+              with_metrics: bool = False, **options):
+    """(spec, connectors) of an initialized world over loopback: Attention ranks first, as threads;
+    ``options`` go to ``make_connector``, ``with_metrics`` gives each rank a RuntimeMetrics. If
+    any rank fails to join, every connector is closed before the error propagates."""
+    from afd_shared_experts.metrics import RuntimeMetrics
+
     spec = load_spec(model_dir)
     port = free_port()
-    made = [make_connector(spec, "attention" if r < attention_ranks else "ffn", r, attention_ranks, ffn_ranks, port,
-                           timeout=timeout, dtype=dtype)
-            for r in range(attention_ranks + ffn_ranks)]
-    run_threads([c.init for c in made])
+    made = []
+    for rank in range(attention_ranks + ffn_ranks):
+        role = "attention" if rank < attention_ranks else "ffn"
+        made.append(make_connector(spec, role, rank, attention_ranks, ffn_ranks, port, timeout=timeout, dtype=dtype,
+                                   metrics=RuntimeMetrics(role) if with_metrics else None, **options))
+    try:
+        run_threads([c.init for c in made], timeout=timeout + 10)
+    except BaseException:
+        for c in made:
+            c.close()
+        raise
     return spec, made
 
 
@@ -157,30 +169,15 @@ class ThreadWorld:
                  max_tokens: int = MAX_TOKENS):
         from afd_shared_experts.attention import AttentionMoELayer, RemoteMoE
         from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
-        from afd_shared_experts.metrics import RuntimeMetrics
         from afd_shared_experts.model import load_attention_weights, load_ffn_weights
-        from afd_shared_experts.moe_spec import load_spec
 
-        self.spec = spec = load_spec(model_dir)
         self.attention_ranks, self.ffn_ranks, self.dtype = attention_ranks, ffn_ranks, dtype
         torch_dtype = DTYPES[dtype]
-        port = free_port()
-
-        def connector(role, rank):
-            metrics = RuntimeMetrics(role) if with_metrics else None
-            return make_connector(spec, role, rank, attention_ranks, ffn_ranks, port, timeout=timeout,
-                                  dtype=torch_dtype, placement=placement, partition=partition, max_tokens=max_tokens,
-                                  metrics=metrics, transport_wrapper=transport_wrapper, data_plane=data_plane)
-
-        self.attention_connectors = [connector("attention", a) for a in range(attention_ranks)]
-        self.ffn_connectors = [connector("ffn", attention_ranks + f) for f in range(ffn_ranks)]
-        all_connectors = self.attention_connectors + self.ffn_connectors
-        try:
-            run_threads([c.init for c in all_connectors], timeout=timeout + 10)
-        except BaseException:
-            for c in all_connectors:
-                c.close()
-            raise
+        spec, connectors = connected(
+            model_dir, attention_ranks, ffn_ranks, timeout, torch_dtype, with_metrics=with_metrics, placement=placement,
+            partition=partition, max_tokens=max_tokens, transport_wrapper=transport_wrapper, data_plane=data_plane)
+        self.spec = spec
+        self.attention_connectors, self.ffn_connectors = connectors[:attention_ranks], connectors[attention_ranks:]
         self.attention_weights = [load_attention_weights(model_dir, spec, placement, torch_dtype)
                                   for _ in range(attention_ranks)]
         self.ffn_weights = [load_ffn_weights(model_dir, spec, placement, f, ffn_ranks, torch_dtype)
@@ -284,8 +281,6 @@ def attention_rank_that_idles(model_dir, port: int, attention_ranks: int, ffn_ra
     """Child process body: an Attention rank that joins the world and then does nothing.
     ``ready`` is set once the interpreter is up, so the parent's short rendezvous bound
     does not race the child's start."""
-    from afd_shared_experts.moe_spec import load_spec
-
     torch.set_num_threads(1)
     connector = make_connector(load_spec(model_dir), "attention", rank, attention_ranks, ffn_ranks, port, timeout=3)
     ready.set()
@@ -298,7 +293,6 @@ def ffn_rank_that_serves(model_dir, port: int, ready) -> None:
     shuts down; ``ready`` as above."""
     from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
     from afd_shared_experts.model import load_ffn_weights
-    from afd_shared_experts.moe_spec import load_spec
 
     torch.set_num_threads(1)
     spec = load_spec(model_dir)

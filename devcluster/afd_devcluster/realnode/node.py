@@ -129,8 +129,12 @@ class RealNode:
 
     def ctr(self, *args: str, check: bool = True, input_bytes: Optional[bytes] = None,
             stdin: Any = None) -> subprocess.CompletedProcess:
-        return subprocess.run(["ctr", "--address", str(self.containerd_socket), "--namespace", "k8s.io", *args],
-                              input=input_bytes, stdin=stdin, capture_output=True, check=check)
+        proc = subprocess.run(["ctr", "--address", str(self.containerd_socket), "--namespace", "k8s.io", *args],
+                              input=input_bytes, stdin=stdin, capture_output=True)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"ctr {' '.join(args)} failed ({proc.returncode}): "
+                               f"{proc.stderr.decode(errors='replace').strip()[-2000:]}")
+        return proc
 
     @property
     def docker_argv(self) -> list[str]:
