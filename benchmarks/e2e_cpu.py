@@ -7,8 +7,11 @@ FFN servers' torch expert backend instead of vLLM's kernels.
 --suite serve: `vllm serve` as a user starts it (vLLM's default compilation unless --eager), on
 a DeepSeek-V3-style checkpoint (hidden 512, 4 layers: one dense, three MoE with 8 routed experts
 of intermediate 256, top-2, one shared expert): plain vLLM on both cores, then AFD with the
-Attention engine pinned to core 0 and one FFN server (1 rank) to core 1, one thread each, with
-1 stage and with the default 2 stages (the plugin's minimum step sizes in force). For each
+Attention engine core pinned to core 0 and one FFN server (1 rank) to core 1, one thread each,
+with 1 stage and with the default 2 stages (the plugin's minimum step sizes in force). In every
+configuration the `vllm serve` front end (HTTP, tokenizer, detokenizer) may run on both cores,
+as plain vLLM's does; --frontend-on-attention-core adds AFD rows with the front end pinned to
+core 0 beside the engine core, the layout of earlier runs. For each
 concurrency (--concurrency, default 8 and 64) every configuration gets that many requests at
 once, --repeats times, and reports its best output tokens/s; --rounds repeats the whole cycle
 of configurations (the best of all rounds counts), so a change in the machine's load hits them
@@ -39,6 +42,7 @@ one decode step yields one token per prompt: tokens/s
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import tempfile
@@ -48,6 +52,7 @@ from pathlib import Path
 
 from afd_devcluster.checkpoints import VOCAB, write_vllm_checkpoint
 from afd_shared_experts.trace import read_traces
+from plugin_harness import child_pids
 from vllm_harness import (SPLIT_EVERY_STEP, afd_block, free_port, http_status, install_testbed_plugin, post_json,
                           run_driver, served_model, start_ffn_servers, start_vllm_serve, wait_until)
 
@@ -201,6 +206,23 @@ SERVE_SHAPE = dict(hidden=512, inter=256, experts=8, top_k=2, layers=4, intermed
 SERVE_START_SECONDS = 900
 
 
+def pin_descendants(pid: int, cpus: set[int]) -> int:
+    """Pin every thread of every descendant process of `pid` to `cpus` (threads started later
+    inherit it from their creator); returns the processes pinned. The `vllm serve` process keeps
+    its own cores: its engine core is the child that does the model's work."""
+    pinned, pending = 0, child_pids(pid)
+    while pending:
+        child = pending.pop()
+        for task in Path(f"/proc/{child}/task").iterdir():
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+            except ProcessLookupError:  # a thread that ended since the listing
+                pass
+        pinned += 1
+        pending += child_pids(child)
+    return pinned
+
+
 def serve_load(port: int, prompts: list[list[int]], max_tokens: int) -> float:
     """Output tokens/s of ``prompts`` sent at once (every completion ``max_tokens`` long)."""
     name = served_model(port)
@@ -213,9 +235,10 @@ def serve_load(port: int, prompts: list[list[int]], max_tokens: int) -> float:
 
 
 def serve_configuration(args, model: Path, root: Path, name: str, stages: int | None, min_split: dict | None,
-                        loads: dict[int, list[list[int]]]) -> dict[int, float]:
+                        frontend_cores: set[int], loads: dict[int, list[list[int]]]) -> dict[int, float]:
     """Best tokens/s per concurrency of one configuration (stages None: plain vLLM on both cores;
-    min_split None: the plugin's default minimum step sizes)."""
+    min_split None: the plugin's default minimum step sizes; frontend_cores: where AFD's `vllm
+    serve` process runs, its engine core always on the Attention core)."""
     engine = ["--dtype", "float32", "--max-model-len", str(args.prompt_len + args.max_tokens + 16),
               "--max-num-batched-tokens", str(args.token_budget), "--max-num-seqs", str(max(loads)), "--seed", "0"]
     if args.eager:
@@ -233,9 +256,12 @@ def serve_configuration(args, model: Path, root: Path, name: str, stages: int | 
             procs += [proc for proc, _ in start_ffn_servers(model, block, root, count=1, tag=f"ffn-{name}",
                                                             cpus=FFN_CORE, token_budget=args.token_budget)]
             api = start_vllm_serve(model, port, root, name, block=block, engine_args=engine, env=env,
-                                   cpus=ATTENTION_CORE)
+                                   cpus=frontend_cores)
         procs.append(api)
         wait_until(lambda: http_status(port, "/health") == 200, SERVE_START_SECONDS, f"{name} serving", procs)
+        if stages is not None and frontend_cores != ATTENTION_CORE and not pin_descendants(api.popen.pid,
+                                                                                            ATTENTION_CORE):
+            raise RuntimeError(f"{name}: `vllm serve` started no engine core process to pin")
         serve_load(port, loads[min(loads)][:2], 4)  # warm-up: the first requests of an engine compile kernels
         return {concurrency: max(serve_load(port, prompts, args.max_tokens) for _ in range(args.repeats))
                 for concurrency, prompts in loads.items()}
@@ -249,28 +275,40 @@ def serve_suite(args, root: Path) -> int:
     rng = random.Random(0)
     loads = {n: [[rng.randrange(3, VOCAB) for _ in range(args.prompt_len)] for _ in range(n)]
              for n in args.concurrency}
-    # (name, stages, afd.min_split_tokens): None stages is plain vLLM, None minimums the plugin's defaults.
-    configurations = [("plain vLLM (2 cores)", None, None), ("AFD 1 stage", 1, None), ("AFD 2 stages", 2, None)]
+    # (name, stages, afd.min_split_tokens, front end's cores): None stages is plain vLLM, None
+    # minimums the plugin's defaults.
+    both = ATTENTION_CORE | FFN_CORE
+    configurations = [("plain vLLM (2 cores)", None, None, both), ("AFD 1 stage", 1, None, both),
+                      ("AFD 2 stages", 2, None, both)]
     if args.split_every_step:
-        configurations.append(("AFD 2 stages, all split", 2, SPLIT_EVERY_STEP))
+        configurations.append(("AFD 2 stages, all split", 2, SPLIT_EVERY_STEP, both))
+    if args.frontend_on_attention_core:
+        configurations += [("AFD 1 stage, front end core 0", 1, None, ATTENTION_CORE),
+                           ("AFD 2 stages, front end core 0", 2, None, ATTENTION_CORE)]
     best: dict[str, dict[int, float]] = {}
     for round_ in range(args.rounds):
-        for index, (name, stages, min_split) in enumerate(configurations):
-            measured = serve_configuration(args, model, root, f"c{index}-r{round_}", stages, min_split, loads)
+        for index, (name, stages, min_split, frontend_cores) in enumerate(configurations):
+            measured = serve_configuration(args, model, root, f"c{index}-r{round_}", stages, min_split,
+                                           frontend_cores, loads)
             best[name] = {n: max(best.get(name, {}).get(n, 0.0), tps) for n, tps in measured.items()}
     print(f"vllm serve, DeepSeek-V3-style (hidden 512, 4 layers, 8 routed experts of 256, top-2, 1 shared), "
           f"float32, {'eager' if args.eager else 'vLLM default compilation'}, prompts of {args.prompt_len} tokens, "
           f"{args.max_tokens} new tokens each, --max-num-batched-tokens {args.token_budget}; plain on cores 0-1, "
-          f"AFD Attention on core 0 + 1 FFN rank on core 1, 1 thread each; best of {args.repeats} x {args.rounds} "
-          "round(s), output tok/s")
+          f"AFD Attention engine core on core 0 + 1 FFN rank on core 1, 1 thread each, the front end on cores 0-1 "
+          f"unless named; best of {args.repeats} x {args.rounds} round(s), output tok/s")
     print(f"{'configuration':<32}" + "".join(f"{f'{n} requests':>14}" for n in args.concurrency))
-    for name, _, _ in configurations:
+    for name, *_ in configurations:
         print(f"{name:<32}" + "".join(f"{best[name][n]:>14.1f}" for n in args.concurrency))
     for n in args.concurrency:
-        plain, one, two = (best[name][n] for name, _, _ in configurations[:3])
-        split = (f", all split / S=1 = {best[configurations[3][0]][n] / one:.2f}" if args.split_every_step else "")
+        plain, one, two = (best[name][n] for name, *_ in configurations[:3])
+        split = (f", all split / S=1 = {best['AFD 2 stages, all split'][n] / one:.2f}" if args.split_every_step else "")
+        pinned = ""
+        if args.frontend_on_attention_core:
+            pinned_one, pinned_two = (best[f"AFD {s}, front end core 0"][n] for s in ("1 stage", "2 stages"))
+            pinned = (f", front end on cores 0-1 / on core 0: S=1 {one / pinned_one:.2f}, "
+                      f"S=2 {two / pinned_two:.2f}")
         print(f"{n} requests: S=2 / S=1 = {two / one:.2f}, AFD S=2 / plain = {two / plain:.2f}, "
-              f"AFD S=1 / plain = {one / plain:.2f}{split}")
+              f"AFD S=1 / plain = {one / plain:.2f}{split}{pinned}")
     return 0
 
 
@@ -297,6 +335,9 @@ def main() -> int:
     p.add_argument("--split-every-step", action="store_true",
                    help="--suite serve: also AFD 2 stages with every step split (min_split_tokens 1), the "
                         "measurement the plugin's minimum step sizes come from")
+    p.add_argument("--frontend-on-attention-core", action="store_true",
+                   help="--suite serve: also AFD 1 and 2 stages with the `vllm serve` front end pinned to the "
+                        "Attention engine's core (by default it may use both cores, as plain vLLM's does)")
     args = p.parse_args()
     if args.suite == "serve":
         if min(args.concurrency + [args.repeats, args.rounds, args.token_budget]) < 1:
