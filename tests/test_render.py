@@ -126,6 +126,13 @@ def test_probes_and_prestop_per_role() -> None:
             assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "health"}
         elif pod is not head:
             assert "readinessProbe" not in c and "--headless" in c["command"]
+            continue
+        # Serving within 2 s of the server answering; a stall of 15 s or less keeps the pod in the
+        # Service; a minute of failed liveness restarts it.
+        assert c["startupProbe"]["periodSeconds"] <= 2 and c["readinessProbe"]["periodSeconds"] <= 2
+        readiness, liveness = c["readinessProbe"], c["livenessProbe"]
+        assert (readiness["failureThreshold"] - 1) * readiness["periodSeconds"] >= 14
+        assert liveness["failureThreshold"] * liveness["periodSeconds"] >= 60
 
 
 @pytest.mark.parametrize("grace,head_timeout,headless_timeout", [(120, 105, 110), (30, 15, 20), (12, 1, 2), (0, 1, 1)])

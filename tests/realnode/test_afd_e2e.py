@@ -69,6 +69,10 @@ MEMORY_LIMIT_GIB = 16
 # evicted page cache, stalled and probes timed out (measured; docs/history/testbed-runs.md).
 ROLLED_TOPOLOGY = {"data_parallel": 1, "ffn_ranks": 4}
 ROLLED_IMAGE = RUNTIME_CPU_IMAGE.rsplit(":", 1)[0] + ":rolled"
+# The faults below fail the instance three times within recovery.stableSeconds: the default
+# backoff (10 s, doubling) would wait 10 + 20 + 40 s before the recreations. Its doubling and
+# budget are the controller's tests'; here the recreation itself is under test.
+RECOVERY = {"backoffSeconds": 1, "maxBackoffSeconds": 4}
 SMALL = {"resources": {"requests": {"cpu": "100m", "memory": "512Mi"}}}
 DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "afd-operator" / "dashboards" / "afd.json"
 
@@ -144,6 +148,7 @@ def afd_deployment(checkpoint: Path, namespace: str, data_parallel: int = 2, ffn
                           "engineArgs": ENGINE_ARGS, "env": VLLM_ENV, "podTemplate": SMALL},
             "ffn": {"ranks": ffn_ranks, "devicesPerPod": min(2, ffn_ranks), "env": VLLM_ENV, "podTemplate": SMALL},
             "startup": {"timeoutSeconds": READY_TIMEOUT_SECONDS},
+            "recovery": RECOVERY,
             "termination": {"gracePeriodSeconds": 30, "drainSeconds": 5},
         },
     }
