@@ -61,17 +61,15 @@ VLLM_ENV = [{"name": "VLLM_MLA_DISABLE", "value": "1"}, {"name": "TORCHDYNAMO_DI
 # in 16 GB. vLLM's CPU KV cache defaults to 4 GiB per engine; the tiny model needs a few MiB.
 KV_CACHE_ARGS = ["--kv-cache-memory-bytes", "64M"]
 ENGINE_ARGS = ["--enforce-eager", *KV_CACHE_ARGS]
-# What the whole scenario (node, operator, both revisions) may use of the host's memory (the
-# 16 GB above).
+# What the whole scenario (node, operator, both revisions) may use of the host (the 16 GB above).
 MEMORY_LIMIT_GIB = 16
 # The roll's target: both role counts change, FFN pods of several ranks over two pods. A wider
 # target (DP 3, FFN 4) peaked above 20 GB with the old revision still serving: the node then
 # evicted page cache, stalled and probes timed out (measured; docs/history/testbed-runs.md).
 ROLLED_TOPOLOGY = {"data_parallel": 1, "ffn_ranks": 4}
 ROLLED_IMAGE = RUNTIME_CPU_IMAGE.rsplit(":", 1)[0] + ":rolled"
-# The faults below fail the instance three times within recovery.stableSeconds: the default
-# backoff (10 s, doubling) would wait 10 + 20 + 40 s before the recreations. Its doubling and
-# budget are the controller's tests'; here the recreation itself is under test.
+# The faults fail the instance three times within recovery.stableSeconds: the default backoff
+# (10 s, doubling) would add 70 s of waiting. Doubling and budget are test_controller's concern.
 RECOVERY = {"backoffSeconds": 1, "maxBackoffSeconds": 4}
 SMALL = {"resources": {"requests": {"cpu": "100m", "memory": "512Mi"}}}
 DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "afd-operator" / "dashboards" / "afd.json"
