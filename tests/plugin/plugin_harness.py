@@ -113,19 +113,24 @@ def run_threads(targets: list, timeout: float = 120.0) -> list:
 # The token budget of the test worlds: frames hold this many tokens per dispatch.
 MAX_TOKENS = 512
 
+# How long a test world's ranks may take to join. Generous on purpose: on a loaded two-core
+# machine a rank's join can lag by seconds, and a test about liveness (short ``timeout``) must
+# not fail at the rendezvous instead; tests about the rendezvous pass their own bound.
+RENDEZVOUS_TIMEOUT = 60.0
+
 
 def make_connector(spec, role: str, rank: int, attention_ranks: int, ffn_ranks: int, port: int, *,
-                   timeout: float, rendezvous_timeout: float | None = None, dtype: torch.dtype = torch.float32,
+                   timeout: float, rendezvous_timeout: float = RENDEZVOUS_TIMEOUT, dtype: torch.dtype = torch.float32,
                    placement: str = "ffn", partition: str = "affinity", max_tokens: int = MAX_TOKENS, **options):
     """One rank's P2PConnector on loopback, built as the plugin builds it: from an AFDConfig.
-    The rendezvous is bounded by ``timeout`` too unless ``rendezvous_timeout`` is given."""
+    ``timeout`` bounds every wait on a peer once the world is up, ``rendezvous_timeout`` the join."""
     from afd_shared_experts.config import AFDConfig, SharedExpertsConfig
     from afd_shared_experts.connector import P2PConnector
     from afd_shared_experts.wire import WireLayout
 
     cfg = AFDConfig(role=role, num_attention_ranks=attention_ranks, num_ffn_ranks=ffn_ranks, host="127.0.0.1",
                     port=port, timeout_seconds=timeout,
-                    rendezvous_timeout_seconds=timeout if rendezvous_timeout is None else rendezvous_timeout,
+                    rendezvous_timeout_seconds=rendezvous_timeout,
                     shared_experts=SharedExpertsConfig(placement, partition))
     layout = WireLayout.for_world(spec, cfg, dtype=dtype, token_budget=max_tokens)
     return P2PConnector.from_config(cfg, role=role, rank=rank, layout=layout, **options)
@@ -151,7 +156,7 @@ def connected(model_dir, attention_ranks: int, ffn_ranks: int, timeout: float = 
         made.append(make_connector(spec, role, rank, attention_ranks, ffn_ranks, port, timeout=timeout, dtype=dtype,
                                    metrics=RuntimeMetrics(role) if with_metrics else None, **options))
     try:
-        run_threads([c.init for c in made], timeout=timeout + 10)
+        run_threads([c.init for c in made], timeout=RENDEZVOUS_TIMEOUT + 10)
     except BaseException:
         for c in made:
             c.close()
@@ -279,8 +284,8 @@ def rss_bytes() -> int:
 
 def attention_rank_that_idles(model_dir, port: int, attention_ranks: int, ffn_ranks: int, rank: int, ready) -> None:
     """Child process body: an Attention rank that joins the world and then does nothing.
-    ``ready`` is set once the interpreter is up, so the parent's short rendezvous bound
-    does not race the child's start."""
+    ``ready`` is set once the interpreter is up, so the parent's wait for the rendezvous does
+    not count the child's start."""
     torch.set_num_threads(1)
     connector = make_connector(load_spec(model_dir), "attention", rank, attention_ranks, ffn_ranks, port, timeout=3)
     ready.set()

@@ -57,7 +57,7 @@ def _raises(fn, *args):
 
 def test_close_after_partial_init_is_safe():
     spec = RENDEZVOUS_ONLY_SPEC
-    connector = make_connector(spec, "ffn", 1, 1, 1, free_port(), timeout=1)
+    connector = make_connector(spec, "ffn", 1, 1, 1, free_port(), timeout=1, rendezvous_timeout=1)
     with pytest.raises(PeerLostError, match=r"rendezvous at 127\.0\.0\.1:\d+ for world size 2 failed"):
         connector.init()  # nobody hosts the store
     connector.close()
@@ -70,18 +70,18 @@ def test_a_rank_waiting_since_before_rank_0_joins_within_its_window():
     """The FFN servers retry the rendezvous until the Attention head hosts the store. A rank whose
     previous attempt just expired must still join well inside rank 0's window; a TCPStore client
     that found nobody listening sleeps a random backoff of about its timeout (the cause of a CI
-    failure: 17.8 s against rank 0's 15 s window)."""
+    failure: 17.8 s against rank 0's 15 s window). Rank 0's window here is 3 s against the FFN
+    rank's 6 s, so a rank that joins late fails rank 0's init. The time to the end of the FFN
+    rank's init is not asserted: it includes the process groups' setup, which is not the window."""
     spec = RENDEZVOUS_ONLY_SPEC
     port = free_port()
-    joined = {}
     give_up = time.monotonic() + 25
 
     def ffn_rank_retrying():
         while time.monotonic() < give_up:
-            connector = make_connector(spec, "ffn", 1, 1, 1, port, timeout=6)
+            connector = make_connector(spec, "ffn", 1, 1, 1, port, timeout=6, rendezvous_timeout=6)
             try:
                 connector.init()
-                joined["ffn"] = time.monotonic()
                 return connector
             except PeerLostError:
                 connector.close()
@@ -90,15 +90,13 @@ def test_a_rank_waiting_since_before_rank_0_joins_within_its_window():
 
     def attention_rank_after_first_attempt_expired():
         time.sleep(6.2)
-        joined["attention_started"] = time.monotonic()
-        connector = make_connector(spec, "attention", 0, 1, 1, port, timeout=3)
+        connector = make_connector(spec, "attention", 0, 1, 1, port, timeout=3, rendezvous_timeout=3)
         connector.init()
         return connector
 
     made = run_threads([ffn_rank_retrying, attention_rank_after_first_attempt_expired], timeout=30)
     try:
         assert all(c.is_initialized for c in made)
-        assert joined["ffn"] - joined["attention_started"] < 3
     finally:
         for connector in made:
             connector.close()
@@ -135,7 +133,7 @@ def test_rank_0_waits_past_the_liveness_timeout_for_an_ffn_rank_still_loading():
 
 def test_rank_0_gives_up_after_the_rendezvous_timeout():
     spec = RENDEZVOUS_ONLY_SPEC
-    connector = make_connector(spec, "attention", 0, 1, 1, free_port(), timeout=1)
+    connector = make_connector(spec, "attention", 0, 1, 1, free_port(), timeout=1, rendezvous_timeout=1)
     started = time.monotonic()
     with pytest.raises(PeerLostError, match=r"for world size 2 failed within 1(\.0)?s: .*1/2 clients joined"):
         connector.init()  # no FFN rank ever joins
