@@ -308,9 +308,9 @@ class P2PConnector(AFDConnector):
             raise self._lost
 
     # ------------------------------------------------------------------ posting and waiting
-    def _post(self, link: str, ops: list[P2POperation]) -> list:
+    def _post(self, link: str, ops: list[P2POperation], *, answered: bool = False) -> list:
         try:
-            return self._links[link].post(ops)
+            return self._links[link].post(ops, answered=answered)
         except Exception as exc:  # e.g. the pair was closed by a dead peer
             self._failed = True
             names = ", ".join(sorted({self._peer_name(op.peer) for op in ops}))
@@ -392,7 +392,9 @@ class P2PConnector(AFDConnector):
             reply = frames.reply if frames.reply_host is None else frames.reply_host
         else:
             sends, reply_rows, reply = list(frames.work), None, frames.reply
-        send_handles = self._post("work", [P2POperation(SEND, sends[f], first_ffn + f, TAG_WORK) for f in ffn_ranks])
+        # Each FFN rank replies only after it received all of its frame: the reply completes the send.
+        send_handles = self._post("work", [P2POperation(SEND, sends[f], first_ffn + f, TAG_WORK) for f in ffn_ranks],
+                                  answered=True)
         receives = self._post("reply", [P2POperation(RECV, reply[f], first_ffn + f, TAG_REPLY) for f in ffn_ranks])
         for handle, tensor in zip(send_handles, sends):
             frames.sends.add(handle, tensor)
@@ -415,6 +417,7 @@ class P2PConnector(AFDConnector):
         else:
             self._wait(pending.receives, what, peers=peers, deadline=started + self.timeout_seconds)
         frames = pending.frames
+        frames.sends.answer()
         if frames.reply_host is not None:
             for f, rows in enumerate(pending.reply_rows):
                 to_device(frames.reply_host[f, :rows], self.device, out=frames.reply[f, :rows], reuse_host=True)

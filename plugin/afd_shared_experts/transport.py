@@ -136,6 +136,24 @@ class StreamOrdered:
         self.handle.wait()
 
 
+class Answered:
+    """A gloo send that the peer answers only after receiving all of it (an Attention rank's
+    work frame: the FFN rank's reply). The answer's arrival completes it (``answer()``), so no
+    watcher thread waits on it: on a rank pinned to one core each hand-off to a watcher costs a
+    thread switch and a GIL hand-over. The handle is kept until then so the send lives on."""
+
+    __slots__ = ("handle", "peer", "answered")
+
+    def __init__(self, handle, peer: int):
+        self.handle, self.peer, self.answered = handle, peer, False
+
+    def is_completed(self) -> bool:
+        return self.answered
+
+    def answer(self) -> None:
+        self.answered = True
+
+
 class Watcher:
     """Waits on one peer's handles of one link in post order (the order they complete)."""
 
@@ -178,14 +196,17 @@ class Link:
         self._rank, self._wakeup = rank, wakeup
         self._watchers: dict[int, Watcher] = {}
 
-    def post(self, ops: list[P2POperation]) -> list[Tracked | StreamOrdered]:
+    def post(self, ops: list[P2POperation], *, answered: bool = False) -> list[Tracked | StreamOrdered | Answered]:
         """Post ``ops`` as one batch (``Transport.batch`` where the transport has it); a handle
-        per operation, in order."""
+        per operation, in order. ``answered``: sends each completed by the peer's answer, which
+        the caller reports (``Answered.answer``); off the stream no watcher waits on them."""
         batch = getattr(self.transport, "batch", None)
         if batch is not None:
             handles = batch(ops)
         else:
             handles = [getattr(self.transport, op.kind)(op.tensor, op.peer, op.tag) for op in ops]
+        if answered and not self.on_stream:
+            return [Answered(handle, op.peer) for handle, op in zip(handles, ops)]
         return [self.track(handle, op.peer) for handle, op in zip(handles, ops)]
 
     def track(self, handle, peer: int) -> Tracked | StreamOrdered:
@@ -215,6 +236,12 @@ class InFlight:
 
     def done(self) -> bool:
         return all(h.is_completed() for h in self.handles)
+
+    def answer(self) -> None:
+        """The peers answered: their ``Answered`` sends are complete."""
+        for handle in self.handles:
+            if isinstance(handle, Answered):
+                handle.answer()
 
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from pathlib import Path
@@ -241,24 +242,34 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 class DelayedCompletionTransport:
     """Fault injector: completions arrive late. Receives land in a staging buffer and reach
     the caller's tensor only at completion (the caller's tensor is poisoned until then);
-    sends read the caller's tensor only at completion and record a violation if it changed
-    since the send was posted. A connector that reads early or reuses a buffer in flight
-    produces wrong numbers or violations."""
+    sends are read ``delay`` seconds after their post, in post order, by a sender thread (a
+    transport progressing in the background), which records a violation if the tensor changed
+    since the post. A connector that reads early or reuses a buffer in flight produces wrong
+    numbers or violations."""
 
     def __init__(self, inner, delay: float = 0.002):
         self.inner, self.delay = inner, delay
         self.violations: list[str] = []
+        self._sends: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._send_late, name="delayed-sender", daemon=True).start()
+
+    def _send_late(self) -> None:
+        while True:
+            due, tensor, snapshot, dst, tag, posted = self._sends.get()
+            time.sleep(max(0.0, due - time.monotonic()))
+            if not same_bytes(tensor, snapshot):
+                self.violations.append(f"send to {dst} tag {tag}: buffer modified while in flight")
+            posted.append(self.inner.isend(tensor, dst, tag))
 
     def isend(self, tensor, dst, tag):
-        snapshot = tensor.clone()
-        transport = self
+        posted: list = []
+        self._sends.put((time.monotonic() + self.delay, tensor, tensor.clone(), dst, tag, posted))
 
         class Handle:
             def wait(self):
-                time.sleep(transport.delay)
-                if not same_bytes(tensor, snapshot):
-                    transport.violations.append(f"send to {dst} tag {tag}: buffer modified while in flight")
-                transport.inner.isend(tensor, dst, tag).wait()
+                while not posted:
+                    time.sleep(0.0005)
+                posted[0].wait()
 
         return Handle()
 

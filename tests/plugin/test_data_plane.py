@@ -137,6 +137,23 @@ def test_one_message_each_way_per_peer_and_layer_stage_and_no_attention_side_hos
                                                     ("work", "recv")}
 
 
+def test_attention_sends_are_completed_by_their_replies_not_by_watcher_threads(checkpoints):
+    """gloo reports a send's completion only through a blocking wait, which would take a watcher
+    thread per peer (a thread switch per message on a rank pinned to one core). An FFN rank
+    replies only after it received the whole frame, so the reply completes the send: the
+    Attention rank watches its reply receives only, and its frames go back to use once answered."""
+    model_dir = checkpoints["deepseek_v3"]
+    spec = load_spec(model_dir)
+    x = torch.randn(6, spec.hidden_size)
+    with ThreadWorld(model_dir, 1, 2, placement="ffn") as world:
+        for _ in range(3):
+            assert_matches_oracle(world.run(x), oracle_outputs(model_dir, x, "float32", spec.moe_layers), "float32")
+        names = {thread.name for thread in threading.enumerate()}
+        assert {name for name in names if name.startswith("afd-0-")} == {"afd-0-reply-1", "afd-0-reply-2"}
+        connector = world.attention_connectors[0]
+        assert connector.pending_dispatches() == 0 and connector.sends_in_flight() == 0
+
+
 class OpsUsed(TorchDispatchMode):
     def __init__(self):
         super().__init__()

@@ -193,7 +193,7 @@ def test_fault_injector_detects_a_buffer_reused_in_flight():
         def isend(self, tensor, dst, tag):
             return type("Done", (), {"wait": lambda self: None})()
 
-    injector = DelayedCompletionTransport(Inner())
+    injector = DelayedCompletionTransport(Inner(), delay=0.05)  # read after the write below
     buffer = torch.ones(3)
     handle = injector.isend(buffer, 1, 0)
     buffer.add_(1)  # what a connector must never do
