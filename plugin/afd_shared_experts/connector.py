@@ -281,8 +281,7 @@ class P2PConnector(AFDConnector):
     def _send_shutdown(self) -> None:
         layout = self.layout
         frames = layout.work_frames(self.num_ffn_ranks, CPU)
-        headers = layout.headers(frames)
-        headers.zero_()
+        headers = layout.headers(frames).zero_()
         headers[:, :ROWS_FIELD] = torch.tensor(layout.static_header(KIND_SHUTDOWN, -1, 0, 1, self.rank),
                                                dtype=torch.int32)
         rows = layout.header_rows if self._staged else layout.work_rows
@@ -346,9 +345,8 @@ class P2PConnector(AFDConnector):
             raise PeerLostError(f"rank {self.rank}: connection to {names} failed during {what}: {exc}") from exc
 
     def _peer_name(self, rank: int) -> str:
-        if rank < self.num_attention_ranks:
-            return f"Attention rank {rank}"
-        return f"FFN rank {rank - self.num_attention_ranks} (world rank {rank})"
+        first_ffn = self.num_attention_ranks
+        return f"Attention rank {rank}" if rank < first_ffn else f"FFN rank {rank - first_ffn} (world rank {rank})"
 
     def _count(self, kind: str, nbytes: int) -> None:
         self.sent_bytes[kind] += nbytes
@@ -392,9 +390,8 @@ class P2PConnector(AFDConnector):
             reply = frames.reply if frames.reply_host is None else frames.reply_host
         else:
             sends, reply_rows, reply = list(frames.work), None, frames.reply
-        # Each FFN rank replies only after it received all of its frame: the reply completes the send.
         send_handles = self._post("work", [P2POperation(SEND, sends[f], first_ffn + f, TAG_WORK) for f in ffn_ranks],
-                                  answered=True)
+                                  answered=True)  # an FFN rank replies once it has received all of its frame
         receives = self._post("reply", [P2POperation(RECV, reply[f], first_ffn + f, TAG_REPLY) for f in ffn_ranks])
         for handle, tensor in zip(send_handles, sends):
             frames.sends.add(handle, tensor)
