@@ -17,7 +17,7 @@ from .wire import KIND_WORK, DispatchTicket
 from .metrics import RuntimeMetrics
 from .model import GateWeights, SharedExpertWeights
 from .moe_spec import MoESpec
-from .partition import affinity_assignment, contiguous_assignment
+from .partition import affinity_slot, contiguous_assignment
 from .trace import clocks, stage_trace, trace_enabled
 
 
@@ -85,11 +85,8 @@ class RemoteMoE:
         real, top_k = ids.shape
         if not (self.placement == "ffn" and self.partition == "affinity"):
             return torch.zeros(real * top_k, dtype=torch.bool, device=ids.device)
-        assigned = affinity_assignment(ids, self.local_experts, self.num_ffn_ranks)
-        # The token's lowest-numbered expert on its assigned rank carries its shared work.
-        candidates = torch.where(ids // self.local_experts == assigned[:, None], ids, self.spec.num_routed_experts)
-        slot = torch.arange(top_k, device=ids.device)
-        return (slot == candidates.argmin(dim=1, keepdim=True)).reshape(-1)
+        slot = affinity_slot(ids, self.local_experts, self.num_ffn_ranks)
+        return (torch.arange(top_k, device=ids.device) == slot[:, None]).reshape(-1)
 
     def _static_header(self, stage: int, stages: int, device: torch.device) -> torch.Tensor:
         """The header fields fixed per (layer, stage, stages), made on the device once."""

@@ -23,15 +23,18 @@ def contiguous_assignment(num_tokens: int, num_ffn_ranks: int, device: torch.dev
     return token_rank, tokens - token_rank * num_tokens // num_ffn_ranks, sizes
 
 
-def affinity_assignment(topk_ids: torch.Tensor, experts_per_rank: int, num_ffn_ranks: int) -> torch.Tensor:
-    """For each token, an FFN rank that already receives it for a routed expert.
+def affinity_slot(topk_ids: torch.Tensor, experts_per_rank: int, num_ffn_ranks: int) -> torch.Tensor:
+    """For each token, the slot of its top-k whose expert carries its shared work to an FFN rank
+    that already receives it for that routed expert.
 
-    Token t takes the first of its candidate ranks at or after rank t mod F, counting
+    Token t's rank is the first of its candidate ranks at or after rank t mod F, counting
     cyclically: a function of (ids, F) alone, so deterministic; zero extra rows; and balanced
-    (ceil(N/F) per rank) when every token's candidates cover all ranks. Tensor ops on the
-    ids' device, with no host sync.
+    (ceil(N/F) per rank) when every token's candidates cover all ranks. On that rank its
+    lowest-numbered expert carries it. One argmin over (cyclic distance, expert id) finds both;
+    tensor ops on the ids' device, with no host sync.
     """
-    owners = topk_ids // experts_per_rank  # [T, k]
+    if num_ffn_ranks == 1:
+        return topk_ids.argmin(dim=1)
     start = torch.arange(topk_ids.shape[0], device=topk_ids.device) % num_ffn_ranks
-    distance = (owners - start[:, None]) % num_ffn_ranks
-    return owners.gather(1, distance.argmin(dim=1, keepdim=True)).squeeze(1)
+    distance = (topk_ids // experts_per_rank - start[:, None]) % num_ffn_ranks
+    return (distance * (experts_per_rank * num_ffn_ranks) + topk_ids).argmin(dim=1)

@@ -130,15 +130,15 @@ def test_meta_run_catches_a_host_read(checkpoints, monkeypatch):
     model_dir = checkpoints["deepseek_v3"]
     spec = load_spec(model_dir)
     entered = []
-    real_assignment = attention.affinity_assignment
+    real_slot = attention.affinity_slot
 
-    def assignment_read_on_the_host(ids, *args):
+    def slot_read_on_the_host(ids, *args):
         entered.append(ids.device.type)
-        assigned = real_assignment(ids, *args)
-        assigned.tolist()
-        return assigned
+        slot = real_slot(ids, *args)
+        slot.tolist()
+        return slot
 
-    monkeypatch.setattr(attention, "affinity_assignment", assignment_read_on_the_host)
+    monkeypatch.setattr(attention, "affinity_slot", slot_read_on_the_host)
     layers, _ = attention_layers(model_dir, "meta", "ffn", "affinity", torch.float32)
     layer = next(iter(layers.values()))
     with pytest.raises((RuntimeError, NotImplementedError)):

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from afd_shared_experts.partition import affinity_assignment, contiguous_assignment
+from afd_shared_experts.partition import affinity_slot, contiguous_assignment
 
 
 @st.composite
@@ -19,15 +19,28 @@ def routing(draw):
     return ids, per_rank, ffn
 
 
+def carrier_experts(ids: torch.Tensor, per_rank: int, ffn: int) -> torch.Tensor:
+    """Each token's expert that carries its shared work, by ``affinity_slot``."""
+    slot = affinity_slot(ids, per_rank, ffn)
+    assert slot.shape == (ids.shape[0],)
+    return ids.gather(1, slot[:, None]).squeeze(1)
+
+
+def affinity_assignment(ids: torch.Tensor, per_rank: int, ffn: int) -> torch.Tensor:
+    return carrier_experts(ids, per_rank, ffn) // per_rank
+
+
 @settings(max_examples=150, deadline=None)
 @given(routing())
 def test_affinity_assigns_each_token_once_to_a_rank_it_already_reaches(case):
     ids, per_rank, ffn = case
-    assigned = affinity_assignment(ids, per_rank, ffn)
-    assert assigned.shape == (ids.shape[0],)
-    for token in range(ids.shape[0]):
-        # Zero extra rows: the chosen rank already receives this token for a routed expert.
-        assert int(assigned[token]) in set((ids[token] // per_rank).tolist())
+    carriers = carrier_experts(ids, per_rank, ffn)
+    for token, row in enumerate(ids.tolist()):
+        # Zero extra rows: one of the token's own routed rows carries it, the lowest-numbered
+        # expert of the token on that rank.
+        carrier = int(carriers[token])
+        assert carrier in row
+        assert carrier == min(e for e in row if e // per_rank == carrier // per_rank)
 
 
 @settings(max_examples=150, deadline=None)
@@ -56,8 +69,9 @@ def test_affinity_follows_its_rule_and_is_deterministic(case):
         candidates = {expert // per_rank for expert in row}
         expected = next(r % ffn for r in range(token, token + ffn) if r % ffn in candidates)
         assert int(assigned[token]) == expected
-    assert torch.equal(affinity_assignment(ids.flip(1), per_rank, ffn), assigned)
-    assert torch.equal(affinity_assignment(ids.clone(), per_rank, ffn), assigned)
+    carriers = carrier_experts(ids, per_rank, ffn)
+    assert torch.equal(carrier_experts(ids.flip(1), per_rank, ffn), carriers)
+    assert torch.equal(carrier_experts(ids.clone(), per_rank, ffn), carriers)
 
 
 @given(st.integers(0, 500), st.integers(1, 16))
