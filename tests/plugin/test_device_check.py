@@ -1,6 +1,6 @@
-"""The prepared accelerator check (scripts/device-check.sh) and the dispatch/combine
-benchmark run as commands: argument handling, the clear failure without a CUDA device, and
-the whole check on the CPU (small sizes), so neither script is first run on a lent device."""
+"""The prepared accelerator check (scripts/device-check.sh) and the before/after benchmarks of
+the data plane run as commands: argument handling, the clear failure without a CUDA device, and
+the whole check on the CPU (small sizes), so no script is first run on a lent device."""
 
 import os
 import subprocess
@@ -72,3 +72,20 @@ def test_overhead_benchmark_runs_before_and_after_side_by_side():
     proc = run([sys.executable, str(REPO / "benchmarks/remote_moe_overhead.py"), "--baseline", str(REPO)])
     assert proc.returncode == 2
     assert "--baseline:" in proc.stderr and "holds no attention.py" in proc.stderr
+
+
+def test_round_trip_benchmark_alternates_two_worlds_in_one_pair_of_rank_processes():
+    """With this checkout as its own baseline: before, after and ratio rows per T, every
+    column measured (a span missing from the traces would fail the script)."""
+    package = REPO / "plugin" / "afd_shared_experts"
+    proc = run([sys.executable, str(REPO / "benchmarks/connector_round_trip.py"), "--baseline", str(package),
+                "--tokens", "3", "--steps", "25"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines()[2:]]
+    assert [r[:2] for r in rows] == [["3", "before"], ["3", "after"], ["3", "ratio"]]
+    assert all(len(r) == 7 and all(float(v) > 0 for v in r[2:]) for r in rows)
+    proc = run([sys.executable, str(REPO / "benchmarks/connector_round_trip.py"), "--baseline", str(REPO)])
+    assert proc.returncode == 2 and "--baseline:" in proc.stderr and "no __init__.py" in proc.stderr
+    proc = run([sys.executable, str(REPO / "benchmarks/connector_round_trip.py"), "--baseline", str(package),
+                "--steps", "20"])
+    assert proc.returncode == 2 and "--steps must be more than 20" in proc.stderr
