@@ -208,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention-ranks", type=int, default=1)
     parser.add_argument("--ffn-ranks", type=int, default=1, help="FFN ranks of the self-check (must divide 32)")
     parser.add_argument("--tokens", type=int, default=67, help="tokens of the self-check")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3,
+                        help="self-check steps (steps 2.. must repeat step 1's outputs bit for bit)")
     parser.add_argument("--timing-tokens", type=int, nargs="*", default=[1, 64, 512],
                         help="token counts of the graph check and timing table (none: skip them)")
     parser.add_argument("--timing-ffn-ranks", type=int, default=16)

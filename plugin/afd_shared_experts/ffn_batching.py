@@ -6,8 +6,8 @@ in the step). ``StageBatcher`` keeps one queue per Attention rank and releases a
 queue heads that share a (step, layer, stage), once no other Attention rank is still expected
 to send that key, so the runtime computes the group in one expert pass. It only ever takes
 queue heads: every Attention rank gets its replies in its dispatch order, whatever the
-grouping, and the grouping never changes a result (each row's expert output depends on that
-row alone).
+grouping. Rows never mix: each row's expert output depends on that row alone, up to float
+rounding (CPU BLAS picks its GEMM kernel by row count: 1, 2-3 and 4+ rows round differently).
 
 Who is awaited for a key (step, layer, stage), besides the ranks whose head has it:
 - an Attention rank that has shut down: never (its queued items are dropped: it closed
@@ -19,8 +19,9 @@ Who is awaited for a key (step, layer, stage), besides the ranks whose head has 
 - a rank whose last item's key is not below the group's: never (its keys only grow);
 - a rank that has sent work before: for as long as it takes (Attention ranks run their forwards
   in lockstep, as vLLM runs data-parallel MoE engines; a lost rank ends the wait through the
-  connector's liveness checks, a shut-down one through ``close_source``), so the grouping,
-  and with it every float32 result, is the same whatever the timing;
+  connector's liveness checks, a shut-down one through ``close_source``), so once every rank
+  has sent work the grouping, and with it every float32 result, is the same whatever the
+  timing;
 - a rank that has not sent anything yet: within the gather window (seconds from the group's
   first item; the caller's policy, passed per call). Past it the group goes without that rank
   (counted in ``partial_groups``) and the rank is not awaited again until it sends (an

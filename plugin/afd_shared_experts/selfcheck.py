@@ -24,6 +24,7 @@ import os
 import queue
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field, replace
@@ -49,6 +50,8 @@ CHILD_DEADLINE_SECONDS = 600.0
 FAILURE_REPORTS_SECONDS = 2.0
 # How long ranks that delivered their results get, together, to exit on their own.
 EXIT_GRACE_SECONDS = 10.0
+# Steps after it must repeat its outputs bit for bit (run_attention_rank says why not step 0).
+REFERENCE_STEP = 1
 
 
 class SelfCheckError(RuntimeError):
@@ -132,10 +135,27 @@ class _SyncsAllowed:
             return self.connector.receive_replies(*args, **kwargs)
 
 
-def run_attention_rank(run: RunSpec, rank: int, hidden_states: torch.Tensor) -> AttentionResult:
+def check_repeat(rank: int, step: int, outputs: dict[int, torch.Tensor], reference: dict[int, torch.Tensor]) -> None:
+    """A step's outputs must equal the reference step's bit for bit (on the CPU, float32)."""
+    for l, out in outputs.items():
+        if not torch.equal(out, reference[l]):
+            raise SelfCheckError(f"Attention rank {rank}: layer {l} output of step {step} differs from step "
+                                 f"{REFERENCE_STEP} (every step after the first must repeat it bit for bit)")
+
+
+def run_attention_rank(run: RunSpec, rank: int, hidden_states: torch.Tensor,
+                       step_barrier: threading.Barrier | None = None) -> AttentionResult:
     """One Attention rank's layers on ``run.device``; each forward under sync-debug mode
-    "error" on CUDA (process-wide: one such rank per process there). Outputs come back on
-    the CPU, in float32."""
+    "error" on CUDA (process-wide: one such rank per process there). Outputs (step 0's) come
+    back on the CPU, in float32.
+
+    ``step_barrier`` (one party per working Attention rank) starts every step on all of them
+    together, as vLLM's data-parallel engines start each forward together. The outputs of
+    steps 2.. are checked against step 1's, not step 0's: an FFN rank computes the first
+    (step, layer, stage) without a rank that sends it past its gather window, and a GEMM's
+    rounding depends on its row count (CPU BLAS: 1, 2-3 and 4+ rows differ in the last bits).
+    From step 1 every rank has sent work, so the FFN awaits all of them and the grouping,
+    and with it every bit, repeats."""
     torch.set_num_threads(1)
     spec = load_spec(run.model_dir)
     dtype = DTYPES[run.dtype]
@@ -153,8 +173,15 @@ def run_attention_rank(run: RunSpec, rank: int, hidden_states: torch.Tensor) -> 
             for l, w in weights.items()
         }
         first: dict[int, torch.Tensor] = {}
+        reference: dict[int, torch.Tensor] = {}
         step_seconds = []
         for step in range(run.steps):
+            if step_barrier is not None:
+                try:
+                    step_barrier.wait(run.timeout_seconds)
+                except threading.BrokenBarrierError:
+                    raise SelfCheckError(f"Attention rank {rank}: the other Attention ranks did not start step {step} "
+                                         f"within {run.timeout_seconds}s") from None
             started = time.perf_counter()
             outputs = {}
             for l, layer in layers.items():
@@ -166,11 +193,13 @@ def run_attention_rank(run: RunSpec, rank: int, hidden_states: torch.Tensor) -> 
                 if out.device != hidden_states.device:  # hidden_states.device names the index ("cuda:0")
                     raise SelfCheckError(f"Attention rank {rank}: layer {l} output on {out.device}, "
                                          f"input on {hidden_states.device}")
-                out = out.float().cpu()  # lossless from bf16/fp16
-                if step == 0:
-                    first[l] = out
-                elif not torch.equal(out, first[l]):
-                    raise SelfCheckError(f"Attention rank {rank}: layer {l} output of step {step} differs from step 0")
+            outputs = {l: out.float().cpu() for l, out in outputs.items()}  # lossless from bf16/fp16
+            if step == 0:
+                first = outputs
+            elif step == REFERENCE_STEP:
+                reference = outputs
+            else:
+                check_repeat(rank, step, outputs, reference)
         return AttentionResult(rank=rank, outputs=first, step_seconds=step_seconds, sent_bytes=dict(connector.sent_bytes),
                                parameter_bytes=sum(w.parameter_bytes() for w in weights.values()),
                                data_plane=connector.data_plane)
@@ -244,12 +273,12 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
-def _child_main(role: str, index: int, runs: list[RunSpec], hidden_states, results) -> None:
+def _child_main(role: str, index: int, runs: list[RunSpec], hidden_states, results, step_barrier) -> None:
     """One rank of every run in turn (a new AFD world per run)."""
     for number, run in enumerate(runs):
         try:
             if role == "attention":
-                result = run_attention_rank(run, index, hidden_states)
+                result = run_attention_rank(run, index, hidden_states, step_barrier)
                 # numpy pickles by value: the parent must not depend on this process's shared memory.
                 result.outputs = {l: t.numpy() for l, t in result.outputs.items()}
             else:
@@ -287,7 +316,8 @@ def run_topologies(runs: list[RunSpec], hidden_states: torch.Tensor) -> list[Run
     jobs += [("ffn", f, None) for f in range(ffn_ranks)]
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    workers = [context.Process(target=_child_main, args=(role, i, runs, x, results), daemon=True)
+    step_barrier = context.Barrier(attention_ranks)
+    workers = [context.Process(target=_child_main, args=(role, i, runs, x, results, step_barrier), daemon=True)
                for role, i, x in jobs]
     for worker in workers:
         worker.start()

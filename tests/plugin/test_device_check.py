@@ -39,12 +39,12 @@ def test_device_check_passes_on_the_cpu():
     """Step 1 is the real selfcheck: rank processes and the P2PConnector, whose auto rule
     picks the staged plane for ranks sharing a device; then the custom-op layer's timing table
     (eager only: no graphs on the CPU)."""
-    proc = run([str(REPO / "scripts/device-check.sh"), "--device", "cpu", "--tokens", "9", "--steps", "2",
+    proc = run([str(REPO / "scripts/device-check.sh"), "--device", "cpu", "--tokens", "9", "--steps", "3",
                 "--timing-tokens", "1", "4", "--repeats", "1"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0] == ("self-check on cpu: 1 Attention + 1 FFN rank processes on one device, real P2PConnector, "
-                        "9 tokens, 2 steps")
+                        "9 tokens, 3 steps")
     checked = [line.split() for line in lines if "ok, max relative error" in line]
     assert [row[:3] for row in checked] == [[placement, partition, dtype]
                                            for placement, partition in [("ffn", "affinity"), ("ffn", "contiguous"),

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import urllib.request
 
 import pytest
@@ -32,7 +33,7 @@ from vllm_harness import SERVER_TOKEN_BUDGET, afd_block, free_port, http_status,
 SHAPES = {"deepseek-v3-ascend": (16, (16,)), "small-ascend": (4, (2, 2)), "uneven": (2, (2, 1))}
 EXPERTS = 48
 TOKENS = 40
-STEPS = 2
+STEPS = 3  # steps 2.. must repeat step 1's outputs bit for bit (selfcheck.run_attention_rank)
 START_TIMEOUT = 240
 
 
@@ -85,7 +86,8 @@ class PodWorld:
         self.idle = make_connector(self.spec, "attention", working, self.attention_ranks, self.ffn_ranks, self.port,
                                    timeout=60, max_tokens=SERVER_TOKEN_BUDGET)
         shares = [hidden_states[slice(*token_range(a, len(hidden_states), working))] for a in range(working)]
-        results = run_threads([lambda a=a: run_attention_rank(run, a, shares[a]) for a in range(working)]
+        step_barrier = threading.Barrier(working)
+        results = run_threads([lambda a=a: run_attention_rank(run, a, shares[a], step_barrier) for a in range(working)]
                               + [self.idle.init], timeout=START_TIMEOUT)
         return {layer: torch.cat([r.outputs[layer] for r in results[:working]]) for layer in self.spec.moe_layers}
 

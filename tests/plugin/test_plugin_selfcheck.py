@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -13,11 +14,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from afd_devcluster import free_port
-from afd_shared_experts.model import DTYPES
+from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
+from afd_shared_experts.model import DTYPES, load_ffn_weights
 from afd_shared_experts.moe_spec import load_spec
-from afd_shared_experts.selfcheck import token_range
+from afd_shared_experts.selfcheck import RunSpec, SelfCheckError, check_repeat, run_attention_rank, token_range
 from afd_shared_experts.wire import WireLayout
-from plugin_harness import assert_matches_oracle, oracle_outputs
+from plugin_harness import assert_matches_oracle, make_connector, oracle_outputs, run_threads
 
 
 def processes_with_tag(tag: str) -> list[int]:
@@ -52,7 +54,7 @@ def run_selfcheck(tmp_path, model_dir, tokens, *args, env_extra=None):
     ("deepseek_v3", ["--attention-ranks", "3", "--ffn-ranks", "2", "--placement", "ffn", "--partition", "affinity",
                      "--steps", "3", "--device", "cpu", "--data-plane", "staged"], "staged"),
     ("qwen2_moe", ["--attention-ranks", "2", "--ffn-ranks", "4", "--placement", "ffn", "--partition", "contiguous",
-                   "--dtype", "bfloat16", "--steps", "2", "--data-plane", "direct"], "direct"),
+                   "--dtype", "bfloat16", "--steps", "3", "--data-plane", "direct"], "direct"),
     ("deepseek_v2_group_limited", ["--attention-ranks", "4", "--ffn-ranks", "1", "--placement", "attention",
                                    "--dtype", "float16"], "staged"),
     ("glm4_moe", ["--attention-ranks", "2", "--ffn-ranks", "2", "--placement", "ffn", "--partition", "affinity"],
@@ -142,3 +144,45 @@ def test_selfcheck_fails_cleanly_when_a_rank_fails(tmp_path, checkpoints):
     assert proc.returncode == 1
     assert "ffn rank 1 failed" in proc.stderr
     assert "lacks tensor 'model.layers.1.mlp.experts.6.up_proj.weight'" in proc.stderr
+
+
+def test_steps_repeat_after_a_first_group_that_went_without_ranks(checkpoints):
+    """An FFN rank with no gather window computes the first item it receives alone, and each
+    other Attention rank's first item alone as it comes: step 0 puts 3 rows through each GEMM
+    that later steps fill with 12, and CPU BLAS rounds 2-3 rows and 4+ rows differently. The
+    ranks' outputs still repeat from step 1 on (they start each step together, so every
+    later group holds all four), and step 0's match the model."""
+    model_dir = checkpoints["deepseek_v3"]
+    spec = load_spec(model_dir)
+    attention_ranks, share = 4, 3
+    port = free_port()
+    run = RunSpec(model_dir=str(model_dir), attention_ranks=attention_ranks, ffn_ranks=1, steps=4, port=port,
+                  max_tokens=share)
+    ffn = make_connector(spec, "ffn", attention_ranks, attention_ranks, 1, port, timeout=60, max_tokens=share)
+    runtime = FFNRuntime(ffn, torch_experts(load_ffn_weights(model_dir, spec, "ffn", 0, 1, torch.float32)),
+                         gather_window=0.0)
+    x = torch.randn(attention_ranks * share, spec.hidden_size, generator=torch.Generator().manual_seed(7))
+    step_barrier = threading.Barrier(attention_ranks)
+
+    def serve_ffn():
+        ffn.init()
+        runtime.serve()
+
+    try:
+        results = run_threads([lambda a=a: run_attention_rank(run, a, x[a * share:(a + 1) * share], step_barrier)
+                               for a in range(attention_ranks)] + [serve_ffn])
+    finally:
+        ffn.close()
+    assert runtime.partial_groups >= 1
+    assert runtime.pass_peers[attention_ranks] >= 3 * len(spec.moe_layers)  # steps 1-3: one pass over all ranks
+    outputs = {layer: torch.cat([r.outputs[layer] for r in results[:attention_ranks]]) for layer in spec.moe_layers}
+    assert_matches_oracle(outputs, oracle_outputs(model_dir, x, "float32", spec.moe_layers), "float32")
+
+
+def test_a_step_that_differs_from_step_1_in_one_bit_fails_the_selfcheck():
+    reference = {3: torch.ones(2, 4)}
+    check_repeat(0, 2, {3: torch.ones(2, 4)}, reference)
+    one_ulp_off = torch.ones(2, 4)
+    one_ulp_off[1, 2] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    with pytest.raises(SelfCheckError, match="Attention rank 0: layer 3 output of step 2 differs from step 1"):
+        check_repeat(0, 2, {3: one_ulp_off}, reference)
