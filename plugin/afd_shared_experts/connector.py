@@ -382,11 +382,11 @@ class P2PConnector(AFDConnector):
             headers = layout.headers(frames.work)
             if frames.work_host is not None:
                 headers = headers.cpu()
-            rows, shared = torch.stack([headers[:, ROWS_FIELD].long(), headers[:, -layout.local_experts:].sum(1)]).tolist()
-            sends = [frames.work[f, :layout.header_rows + rows[f]] for f in ffn_ranks]
+            header_values = headers.tolist()
+            sends = [frames.work[f, :layout.header_rows + h[ROWS_FIELD]] for f, h in enumerate(header_values)]
             if frames.work_host is not None:
                 sends = to_host(sends, [frames.work_host[f, :len(send)] for f, send in enumerate(sends)])
-            reply_rows = [rows[f] + shared[f] for f in ffn_ranks]  # an extra shared row comes back once
+            reply_rows = [h[ROWS_FIELD] + sum(h[-layout.local_experts:]) for h in header_values]  # + shared rows
             reply = frames.reply if frames.reply_host is None else frames.reply_host
         else:
             sends, reply_rows, reply = list(frames.work), None, frames.reply

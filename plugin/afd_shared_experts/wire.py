@@ -147,9 +147,9 @@ class WireLayout:
         return torch.empty(count, self.reply_capacity, self.hidden_size, dtype=self.dtype, device=device)
 
     def headers(self, frames: torch.Tensor) -> torch.Tensor:
-        """[n, header_len] int32 view of the headers of work frames [n, work_rows, H]."""
-        n = frames.shape[0]
-        return frames[:, :self.header_rows].view(torch.int32).reshape(n, -1)[:, :self.header_len]
+        """[n, header_len] int32 view of the headers of contiguous work frames [n, rows, H]: each
+        frame's first ``header_len`` int32 words (three view ops: this runs per dispatch)."""
+        return frames.view(torch.int32).view(frames.shape[0], -1)[:, :self.header_len]
 
     def static_header(self, kind: int, layer: int, stage: int, stages: int, source: int) -> list[int]:
         return [MAGIC, kind, layer, stage, stages, source, DTYPE_CODES[self.dtype], self.hidden_size,
@@ -206,7 +206,7 @@ def decode_work_header(values: list[int], layout: WireLayout, *, source: int) ->
 
 def unpack_work(frame: torch.Tensor, layout: WireLayout, *, source: int) -> tuple[WorkHeader, torch.Tensor]:
     """A received work frame [work_rows, H]: its header (read on the host) and its valid rows."""
-    values = layout.headers(frame[:layout.header_rows].unsqueeze(0))[0].tolist()
+    values = layout.headers(frame.unsqueeze(0))[0].tolist()
     header = decode_work_header(values, layout, source=source)
     return header, frame[layout.header_rows:layout.header_rows + header.rows]
 
