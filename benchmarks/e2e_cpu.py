@@ -15,7 +15,13 @@ core 0 beside the engine core, the layout of earlier runs. For each
 concurrency (--concurrency, default 8 and 64) every configuration gets that many requests at
 once, --repeats times, and reports its best output tokens/s; --rounds repeats the whole cycle
 of configurations (the best of all rounds counts), so a change in the machine's load hits them
-all. Printed: tokens/s per configuration and the ratios S=2/S=1 and AFD/plain. With
+all. Printed: tokens/s per configuration and the ratios S=2/S=1 and AFD/plain; and, from the
+kernel's CPU accounting of each process tree during the best load (no profiler, nothing
+perturbed), how busy AFD's Attention engine core and FFN server were (CPU s / wall s, 1 = its core
+all the time), the Attention engine's CPU per load at S=2 against S=1 (what splitting a step costs
+it), and what a perfect pipeline could reach: an AFD load's wall cannot fall below its
+Attention engine's CPU time on its one core, so S=1's wall / S=2's Attention CPU bounds S=2 /
+S=1, and plain vLLM's wall / the least Attention CPU bounds AFD / plain. With
 --split-every-step, also 2 stages with every step split whatever its size: its ratio to 1 stage
 per concurrency is where splitting starts to pay (the plugin's minimum step sizes).
 
@@ -47,8 +53,10 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 from afd_devcluster.checkpoints import VOCAB, write_vllm_checkpoint
 from afd_shared_experts.trace import read_traces
@@ -223,22 +231,56 @@ def pin_descendants(pid: int, cpus: set[int]) -> int:
     return pinned
 
 
-def serve_load(port: int, prompts: list[list[int]], max_tokens: int) -> float:
-    """Output tokens/s of ``prompts`` sent at once (every completion ``max_tokens`` long)."""
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(pid: int, *, root: bool = True) -> float:
+    """CPU seconds (user + system, all threads) used so far by `pid`'s live descendants, and by
+    `pid` itself unless `root` is False."""
+    total, pending = 0.0, [pid] if root else child_pids(pid)
+    while pending:
+        current = pending.pop()
+        try:
+            # Fields after the command name's closing parenthesis: utime and stime are the 12th and 13th.
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # ended since it was listed
+            continue
+        total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        pending += child_pids(current)
+    return total
+
+
+class Load(NamedTuple):
+    """One load's output tokens/s, wall seconds and the CPU seconds each watched process used."""
+
+    tokens_per_second: float
+    wall: float
+    cpu: tuple[float, ...]
+
+
+def serve_load(port: int, prompts: list[list[int]], max_tokens: int,
+               watched: tuple[Callable[[], float], ...] = ()) -> Load:
+    """``prompts`` sent at once (every completion ``max_tokens`` long), with what each of
+    ``watched`` (CPU seconds used so far by some processes) grew by meanwhile."""
     name = served_model(port)
     body = {"model": name, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    cpu_before = [cpu_seconds() for cpu_seconds in watched]
     started = time.monotonic()
     with ThreadPoolExecutor(len(prompts)) as pool:
         list(pool.map(lambda prompt: post_json(port, "/v1/completions", {**body, "prompt": prompt}, timeout=1800),
                       prompts))
-    return len(prompts) * max_tokens / (time.monotonic() - started)
+    wall = time.monotonic() - started
+    cpu = tuple(cpu_seconds() - before for cpu_seconds, before in zip(watched, cpu_before))
+    return Load(len(prompts) * max_tokens / wall, wall, cpu)
 
 
 def serve_configuration(args, model: Path, root: Path, name: str, stages: int | None, min_split: dict | None,
-                        frontend_cores: set[int], loads: dict[int, list[list[int]]]) -> dict[int, float]:
-    """Best tokens/s per concurrency of one configuration (stages None: plain vLLM on both cores;
-    min_split None: the plugin's default minimum step sizes; frontend_cores: where AFD's `vllm
-    serve` process runs, its engine core always on the Attention core)."""
+                        frontend_cores: set[int], loads: dict[int, list[list[int]]]) -> dict[int, Load]:
+    """The best load (most tokens/s) per concurrency of one configuration (stages None: plain
+    vLLM on both cores; min_split None: the plugin's default minimum step sizes; frontend_cores:
+    where AFD's `vllm serve` process runs, its engine core always on the Attention core). Under
+    AFD each load's CPU is (engine core, FFN server): the descendants of `vllm serve` and the
+    FFN server's process tree."""
     engine = ["--dtype", "float32", "--max-model-len", str(args.prompt_len + args.max_tokens + 16),
               "--max-num-batched-tokens", str(args.token_budget), "--max-num-seqs", str(max(loads)), "--seed", "0"]
     if args.eager:
@@ -263,7 +305,10 @@ def serve_configuration(args, model: Path, root: Path, name: str, stages: int | 
                                                                                             ATTENTION_CORE):
             raise RuntimeError(f"{name}: `vllm serve` started no engine core process to pin")
         serve_load(port, loads[min(loads)][:2], 4)  # warm-up: the first requests of an engine compile kernels
-        return {concurrency: max(serve_load(port, prompts, args.max_tokens) for _ in range(args.repeats))
+        watched = () if stages is None else (lambda: tree_cpu_seconds(api.popen.pid, root=False),
+                                             lambda: tree_cpu_seconds(procs[0].popen.pid))
+        return {concurrency: max((serve_load(port, prompts, args.max_tokens, watched) for _ in range(args.repeats)),
+                                 key=lambda candidate: candidate.tokens_per_second)
                 for concurrency, prompts in loads.items()}
     finally:
         for proc in procs:
@@ -285,31 +330,54 @@ def serve_suite(args, root: Path) -> int:
     if args.frontend_on_attention_core:
         configurations += [("AFD 1 stage, front end core 0", 1, None, ATTENTION_CORE),
                            ("AFD 2 stages, front end core 0", 2, None, ATTENTION_CORE)]
-    best: dict[str, dict[int, float]] = {}
+    best: dict[str, dict[int, Load]] = {}
     for round_ in range(args.rounds):
         for index, (name, stages, min_split, frontend_cores) in enumerate(configurations):
             measured = serve_configuration(args, model, root, f"c{index}-r{round_}", stages, min_split,
                                            frontend_cores, loads)
-            best[name] = {n: max(best.get(name, {}).get(n, 0.0), tps) for n, tps in measured.items()}
+            earlier = best.get(name, {})
+            best[name] = {n: max(filter(None, (earlier.get(n), load)), key=lambda candidate: candidate.tokens_per_second)
+                          for n, load in measured.items()}
     print(f"vllm serve, DeepSeek-V3-style (hidden 512, 4 layers, 8 routed experts of 256, top-2, 1 shared), "
           f"float32, {'eager' if args.eager else 'vLLM default compilation'}, prompts of {args.prompt_len} tokens, "
           f"{args.max_tokens} new tokens each, --max-num-batched-tokens {args.token_budget}; plain on cores 0-1, "
           f"AFD Attention engine core on core 0 + 1 FFN rank on core 1, 1 thread each, the front end on cores 0-1 "
           f"unless named; best of {args.repeats} x {args.rounds} round(s), output tok/s")
     print(f"{'configuration':<32}" + "".join(f"{f'{n} requests':>14}" for n in args.concurrency))
+    tps = {name: {n: load.tokens_per_second for n, load in per_load.items()} for name, per_load in best.items()}
     for name, *_ in configurations:
-        print(f"{name:<32}" + "".join(f"{best[name][n]:>14.1f}" for n in args.concurrency))
+        print(f"{name:<32}" + "".join(f"{tps[name][n]:>14.1f}" for n in args.concurrency))
     for n in args.concurrency:
-        plain, one, two = (best[name][n] for name, *_ in configurations[:3])
-        split = (f", all split / S=1 = {best['AFD 2 stages, all split'][n] / one:.2f}" if args.split_every_step else "")
+        plain, one, two = (tps[name][n] for name, *_ in configurations[:3])
+        split = (f", all split / S=1 = {tps['AFD 2 stages, all split'][n] / one:.2f}" if args.split_every_step else "")
         pinned = ""
         if args.frontend_on_attention_core:
-            pinned_one, pinned_two = (best[f"AFD {s}, front end core 0"][n] for s in ("1 stage", "2 stages"))
+            pinned_one, pinned_two = (tps[f"AFD {s}, front end core 0"][n] for s in ("1 stage", "2 stages"))
             pinned = (f", front end on cores 0-1 / on core 0: S=1 {one / pinned_one:.2f}, "
                       f"S=2 {two / pinned_two:.2f}")
         print(f"{n} requests: S=2 / S=1 = {two / one:.2f}, AFD S=2 / plain = {two / plain:.2f}, "
               f"AFD S=1 / plain = {one / plain:.2f}{split}{pinned}")
+    print("CPU of the best loads (kernel accounting): busy = CPU s / wall s of the Attention engine core (core 0) "
+          "and the FFN server (core 1)")
+    for n in args.concurrency:
+        plain, one, two = (best[name][n] for name, *_ in configurations[:3])
+        print(f"{n} requests: " + cpu_reading(plain, one, two))
     return 0
+
+
+def cpu_reading(plain: Load, one: Load, two: Load) -> str:
+    """What the loads of plain vLLM, S=1 and S=2 (same prompts) say: each AFD side's busy share,
+    the Attention engine's CPU at S=2 against S=1, and bounds from it. An AFD load's wall is at
+    least its Attention engine's CPU (one core), so S=1's wall / S=2's Attention CPU bounds S=2 /
+    S=1, S=1's Attention CPU bounds it if a split cost nothing, and plain's wall / S=1's
+    Attention CPU bounds AFD / plain (whatever the stages, if a split never saves CPU)."""
+    (attention_one, ffn_one), (attention_two, ffn_two) = one.cpu, two.cpu
+    return (f"busy Attention S=1 {attention_one / one.wall:.2f}, S=2 {attention_two / two.wall:.2f}; "
+            f"busy FFN S=1 {ffn_one / one.wall:.2f}, S=2 {ffn_two / two.wall:.2f}; "
+            f"Attention CPU S=2 / S=1 = {attention_two / attention_one:.2f}; S=2 / S=1 tok/s at most "
+            f"{one.wall / attention_two:.2f} with S=2's Attention CPU, "
+            f"{one.wall / attention_one:.2f} if a split cost the Attention side nothing; "
+            f"AFD / plain at most {plain.wall / min(attention_one, attention_two):.2f}")
 
 
 def main() -> int:

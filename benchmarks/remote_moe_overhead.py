@@ -14,11 +14,18 @@ checkout's package under another name; both run in one process, alternating step
 
 Columns: median milliseconds per layer step, the after/before ratio, and host reads per
 layer step (Tensor.tolist/.item calls, counted in a separate untimed step).
+
+glibc's malloc starts a process with a 128 KiB mmap threshold and trims its heap eagerly, so
+a fresh process pays page faults on every step's larger temporaries (2.7x the time at T = 64
+and 3.1x at T = 256 with hidden 512, docs/benchmarks.md); a serving process, and this script
+(``settle_allocator``), has its thresholds at glibc's long-run maximum, where tcmalloc gives
+about the same times.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import importlib.util
 import statistics
@@ -170,6 +177,20 @@ def host_reads_per_step(remote, inputs) -> int:
     return counts["reads"]
 
 
+def settle_allocator() -> None:
+    """glibc malloc's thresholds as a long-running process reaches them by itself (freeing large
+    blocks raises the mmap threshold up to 32 MiB, the trim threshold to twice that): step
+    temporaries then reuse heap pages instead of faulting fresh ones in. A no-op elsewhere."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc
+        return
+    mmap_threshold, trim_threshold = -3, -1  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD (malloc.h)
+    mallopt(mmap_threshold, 32 << 20)
+    mallopt(trim_threshold, 64 << 20)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--baseline", required=True, type=Path,
@@ -184,6 +205,7 @@ def main(argv=None) -> int:
         parser.error(f"--baseline: {args.baseline} holds no attention.py (expected the afd_shared_experts package)")
     # One thread: on a shared machine, multi-threaded ops measure the neighbours' load.
     torch.set_num_threads(1)
+    settle_allocator()
     before = load_plugin("afd_shared_experts_before", args.baseline)
     after = (importlib.import_module("afd_shared_experts.attention"), spec_module("afd_shared_experts"))
     print(f"RemoteMoE dispatch + combine per layer step, CPU (1 thread), bf16, DeepSeek-V3 shapes with hidden "

@@ -1,11 +1,16 @@
 """The prepared accelerator check (scripts/device-check.sh) and the before/after benchmarks of
 the data plane run as commands: argument handling, the clear failure without a CUDA device, and
-the whole check on the CPU (small sizes), so no script is first run on a lent device."""
+the whole check on the CPU (small sizes), so no script is first run on a lent device; and the
+serve benchmark's CPU accounting."""
 
+import importlib.util
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -89,3 +94,41 @@ def test_round_trip_benchmark_alternates_two_worlds_in_one_pair_of_rank_processe
     proc = run([sys.executable, str(REPO / "benchmarks/connector_round_trip.py"), "--baseline", str(package),
                 "--steps", "20"])
     assert proc.returncode == 2 and "--steps must be more than 20" in proc.stderr
+
+
+def _benchmark_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_serve_benchmark_reads_each_process_trees_cpu_from_the_kernel():
+    e2e = _benchmark_module("e2e_cpu")
+    spin = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass\ntime.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        deadline = time.monotonic() + 60
+        while e2e.tree_cpu_seconds(child.pid) < 0.6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        spun = e2e.tree_cpu_seconds(child.pid)
+        assert 0.6 <= spun < 2.0
+        descendants = e2e.tree_cpu_seconds(os.getpid(), root=False)
+        assert descendants >= spun
+        own = e2e.tree_cpu_seconds(os.getpid()) - e2e.tree_cpu_seconds(os.getpid(), root=False)
+        assert own == pytest.approx(time.process_time(), abs=0.2)
+    finally:
+        child.kill()
+        child.wait()
+    assert e2e.tree_cpu_seconds(child.pid) == 0.0  # gone: nothing to read
+
+
+def test_serve_benchmark_bounds_afd_by_its_attention_engines_cpu():
+    e2e = _benchmark_module("e2e_cpu")
+    plain = e2e.Load(tokens_per_second=160.0, wall=6.0, cpu=())
+    one = e2e.Load(tokens_per_second=100.0, wall=10.0, cpu=(7.4, 2.5))
+    two = e2e.Load(tokens_per_second=110.0, wall=9.0, cpu=(8.0, 2.7))
+    assert e2e.cpu_reading(plain, one, two) == (
+        "busy Attention S=1 0.74, S=2 0.89; busy FFN S=1 0.25, S=2 0.30; Attention CPU S=2 / S=1 = 1.08; "
+        "S=2 / S=1 tok/s at most 1.25 with S=2's Attention CPU, 1.35 if a split cost the Attention side nothing; "
+        "AFD / plain at most 0.81")
