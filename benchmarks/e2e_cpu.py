@@ -53,8 +53,9 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from operator import attrgetter
 from pathlib import Path
 from typing import NamedTuple
 
@@ -214,40 +215,47 @@ SERVE_SHAPE = dict(hidden=512, inter=256, experts=8, top_k=2, layers=4, intermed
 SERVE_START_SECONDS = 900
 
 
+def descendants(pid: int) -> Iterator[int]:
+    """The live descendant processes of `pid`, each before its own children."""
+    pending = child_pids(pid)
+    while pending:
+        child = pending.pop()
+        yield child
+        pending += child_pids(child)
+
+
 def pin_descendants(pid: int, cpus: set[int]) -> int:
     """Pin every thread of every descendant process of `pid` to `cpus` (threads started later
     inherit it from their creator); returns the processes pinned. The `vllm serve` process keeps
     its own cores: its engine core is the child that does the model's work."""
-    pinned, pending = 0, child_pids(pid)
-    while pending:
-        child = pending.pop()
+    pinned = 0
+    for child in descendants(pid):
         for task in Path(f"/proc/{child}/task").iterdir():
             try:
                 os.sched_setaffinity(int(task.name), cpus)
             except ProcessLookupError:  # a thread that ended since the listing
                 pass
         pinned += 1
-        pending += child_pids(child)
     return pinned
 
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system, all threads) `pid` has used so far; 0 once it is gone."""
+    try:
+        # Fields after the command name's closing parenthesis: utime and stime are the 12th and 13th.
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
 def tree_cpu_seconds(pid: int, *, root: bool = True) -> float:
-    """CPU seconds (user + system, all threads) used so far by `pid`'s live descendants, and by
-    `pid` itself unless `root` is False."""
-    total, pending = 0.0, [pid] if root else child_pids(pid)
-    while pending:
-        current = pending.pop()
-        try:
-            # Fields after the command name's closing parenthesis: utime and stime are the 12th and 13th.
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:  # ended since it was listed
-            continue
-        total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-        pending += child_pids(current)
-    return total
+    """CPU seconds used so far by `pid`'s live descendants, and by `pid` itself unless `root`
+    is False."""
+    return sum(map(process_cpu_seconds, ([pid] if root else []) + list(descendants(pid))))
 
 
 class Load(NamedTuple):
@@ -256,6 +264,11 @@ class Load(NamedTuple):
     tokens_per_second: float
     wall: float
     cpu: tuple[float, ...]
+
+
+def fastest(*loads: Load | None) -> Load:
+    """The load with the most tokens/s among `loads` (None: none yet)."""
+    return max(filter(None, loads), key=attrgetter("tokens_per_second"))
 
 
 def serve_load(port: int, prompts: list[list[int]], max_tokens: int,
@@ -307,8 +320,8 @@ def serve_configuration(args, model: Path, root: Path, name: str, stages: int | 
         serve_load(port, loads[min(loads)][:2], 4)  # warm-up: the first requests of an engine compile kernels
         watched = () if stages is None else (lambda: tree_cpu_seconds(api.popen.pid, root=False),
                                              lambda: tree_cpu_seconds(procs[0].popen.pid))
-        return {concurrency: max((serve_load(port, prompts, args.max_tokens, watched) for _ in range(args.repeats)),
-                                 key=lambda candidate: candidate.tokens_per_second)
+        return {concurrency: fastest(*(serve_load(port, prompts, args.max_tokens, watched)
+                                       for _ in range(args.repeats)))
                 for concurrency, prompts in loads.items()}
     finally:
         for proc in procs:
@@ -336,8 +349,7 @@ def serve_suite(args, root: Path) -> int:
             measured = serve_configuration(args, model, root, f"c{index}-r{round_}", stages, min_split,
                                            frontend_cores, loads)
             earlier = best.get(name, {})
-            best[name] = {n: max(filter(None, (earlier.get(n), load)), key=lambda candidate: candidate.tokens_per_second)
-                          for n, load in measured.items()}
+            best[name] = {n: fastest(earlier.get(n), load) for n, load in measured.items()}
     print(f"vllm serve, DeepSeek-V3-style (hidden 512, 4 layers, 8 routed experts of 256, top-2, 1 shared), "
           f"float32, {'eager' if args.eager else 'vLLM default compilation'}, prompts of {args.prompt_len} tokens, "
           f"{args.max_tokens} new tokens each, --max-num-batched-tokens {args.token_budget}; plain on cores 0-1, "
@@ -369,8 +381,8 @@ def cpu_reading(plain: Load, one: Load, two: Load) -> str:
     """What the loads of plain vLLM, S=1 and S=2 (same prompts) say: each AFD side's busy share,
     the Attention engine's CPU at S=2 against S=1, and bounds from it. An AFD load's wall is at
     least its Attention engine's CPU (one core), so S=1's wall / S=2's Attention CPU bounds S=2 /
-    S=1, S=1's Attention CPU bounds it if a split cost nothing, and plain's wall / S=1's
-    Attention CPU bounds AFD / plain (whatever the stages, if a split never saves CPU)."""
+    S=1, S=1's Attention CPU bounds it if a split cost nothing, and plain's wall / the smaller of
+    the two Attention CPUs bounds AFD / plain."""
     (attention_one, ffn_one), (attention_two, ffn_two) = one.cpu, two.cpu
     return (f"busy Attention S=1 {attention_one / one.wall:.2f}, S=2 {attention_two / two.wall:.2f}; "
             f"busy FFN S=1 {ffn_one / one.wall:.2f}, S=2 {ffn_two / two.wall:.2f}; "

@@ -17,7 +17,7 @@ layer step (Tensor.tolist/.item calls, counted in a separate untimed step).
 
 glibc's malloc starts a process with a 128 KiB mmap threshold and trims its heap eagerly, so
 a fresh process pays page faults on every step's larger temporaries (2.7x the time at T = 64
-and 3.1x at T = 256 with hidden 512, docs/benchmarks.md); a serving process, and this script
+and 3.0x at T = 256 with hidden 512, docs/benchmarks.md); a serving process, and this script
 (``settle_allocator``), has its thresholds at glibc's long-run maximum, where tcmalloc gives
 about the same times.
 """
