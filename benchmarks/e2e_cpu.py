@@ -21,7 +21,12 @@ perturbed), how busy AFD's Attention engine core and FFN server were (CPU s / wa
 all the time), the Attention engine's CPU per load at S=2 against S=1 (what splitting a step costs
 it), and what a perfect pipeline could reach: an AFD load's wall cannot fall below its
 Attention engine's CPU time on its one core, so S=1's wall / S=2's Attention CPU bounds S=2 /
-S=1, and plain vLLM's wall / the least Attention CPU bounds AFD / plain. With
+S=1, and plain vLLM's wall / the least Attention CPU bounds AFD / plain. With --trace-waits the
+AFD engines write stage traces, and it prints where the Attention engine waited for replies:
+for each step's last one (its last MoE layer's last stage: after that dispatch the step has
+nothing left to compute but combines, so the wait is the FFN's pass for it, which no schedule of
+the step's micro-batches overlaps) and for the others, and the S=2 / S=1 bound with S=2's waits
+for those added to its Attention CPU. With
 --split-every-step, also 2 stages with every step split whatever its size: its ratio to 1 stage
 per concurrency is where splitting starts to pay (the plugin's minimum step sizes).
 
@@ -62,51 +67,12 @@ from typing import NamedTuple
 from afd_devcluster.checkpoints import VOCAB, write_vllm_checkpoint
 from afd_shared_experts.trace import read_traces
 from plugin_harness import child_pids
+from trace_reading import (ReplyWaits, attention_only_seconds, attention_steps, busy_seconds, expert_passes,
+                           reply_waits)
 from vllm_harness import (SPLIT_EVERY_STEP, afd_block, free_port, http_status, install_testbed_plugin, post_json,
                           run_driver, served_model, start_ffn_servers, start_vllm_serve, wait_until)
 
 ATTENTION_CORE, FFN_CORE = {0}, {1}
-
-
-def busy_seconds(traces: list[dict], window: list[int]) -> tuple[float, float]:
-    """(Attention busy, FFN busy) seconds inside the generate window, from the stage traces."""
-    start, end = window
-
-    def inside(kind: str, role: str) -> float:
-        return sum(max(0, min(i["end_ns"], end) - max(i["start_ns"], start)) for i in traces
-                   if i["kind"] == kind and i["role"] == role) / 1e9
-
-    wall = (end - start) / 1e9
-    return wall - inside("combine_wait", "attention"), inside("expert_pass", "ffn") + inside("reply", "ffn")
-
-
-def attention_only_seconds(traces: list[dict], window: list[int]) -> float:
-    """Seconds of the generate window in which the FFN side can have no work: outside every
-    step's MoE span on the Attention rank (its first dispatch to its last combine). That is
-    the dense layer, the first MoE layer's attention, the final norm, the LM head, sampling and
-    scheduling: the part of each step that micro-batch stages cannot overlap."""
-    start, end = window
-    spans: dict[int, list[int]] = {}
-    for i in traces:
-        if i["role"] == "attention" and i["kind"] in ("dispatch", "combine"):
-            span = spans.setdefault(i["step"], [i["start_ns"], i["end_ns"]])
-            span[0], span[1] = min(span[0], i["start_ns"]), max(span[1], i["end_ns"])
-    inside = sum(max(0, min(stop, end) - max(first, start)) for first, stop in spans.values())
-    return (end - start - inside) / 1e9
-
-
-def attention_steps(traces: list[dict], window: list[int]) -> int:
-    """Forward steps of the Attention rank that dispatched inside the generate window: one per
-    new token when every request runs in every step, more when the scheduler holds some back."""
-    return len({i["step"] for i in traces if i["role"] == "attention" and i["kind"] == "dispatch"
-                and window[0] <= i["start_ns"] < window[1]})
-
-
-def expert_passes(traces: list[dict], window: list[int]) -> tuple[float, float]:
-    """(mean ms, mean rows) of the FFN's expert passes that started inside the generate window."""
-    passes = [i for i in traces if i["kind"] == "expert_pass" and window[0] <= i["start_ns"] < window[1]]
-    return (sum(i["end_ns"] - i["start_ns"] for i in passes) / len(passes) / 1e6,
-            sum(i["rows"] for i in passes) / len(passes))
 
 
 def overlap_bound(name: str, wall: float, one: tuple) -> str:
@@ -259,11 +225,14 @@ def tree_cpu_seconds(pid: int, *, root: bool = True) -> float:
 
 
 class Load(NamedTuple):
-    """One load's output tokens/s, wall seconds and the CPU seconds each watched process used."""
+    """One load's output tokens/s, wall seconds and the CPU seconds each watched process used;
+    its CLOCK_MONOTONIC window (ns) and where its engines wrote stage traces (None: off)."""
 
     tokens_per_second: float
     wall: float
     cpu: tuple[float, ...]
+    window: tuple[int, int] = (0, 0)
+    trace_dir: Path | None = None
 
 
 def fastest(*loads: Load | None) -> Load:
@@ -278,13 +247,14 @@ def serve_load(port: int, prompts: list[list[int]], max_tokens: int,
     name = served_model(port)
     body = {"model": name, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     cpu_before = [cpu_seconds() for cpu_seconds in watched]
-    started = time.monotonic()
+    started = time.monotonic_ns()
     with ThreadPoolExecutor(len(prompts)) as pool:
         list(pool.map(lambda prompt: post_json(port, "/v1/completions", {**body, "prompt": prompt}, timeout=1800),
                       prompts))
-    wall = time.monotonic() - started
+    ended = time.monotonic_ns()
     cpu = tuple(cpu_seconds() - before for cpu_seconds, before in zip(watched, cpu_before))
-    return Load(len(prompts) * max_tokens / wall, wall, cpu)
+    wall = (ended - started) / 1e9
+    return Load(len(prompts) * max_tokens / wall, wall, cpu, (started, ended))
 
 
 def serve_configuration(args, model: Path, root: Path, name: str, stages: int | None, min_split: dict | None,
@@ -301,6 +271,7 @@ def serve_configuration(args, model: Path, root: Path, name: str, stages: int | 
     # vLLM's default compilation (the tests' engines disable dynamo to start faster).
     env = {"TORCHDYNAMO_DISABLE": "0", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
     port, procs = free_port(), []
+    traces = root / f"traces-{name}" if args.trace_waits and stages is not None else None
     try:
         if stages is None:
             env["OMP_NUM_THREADS"] = "2"
@@ -309,9 +280,10 @@ def serve_configuration(args, model: Path, root: Path, name: str, stages: int | 
             block = afd_block("attention", port=free_port(), placement="ffn", ffn_ranks=1, stages=stages,
                               min_split=min_split)
             procs += [proc for proc, _ in start_ffn_servers(model, block, root, count=1, tag=f"ffn-{name}",
-                                                            cpus=FFN_CORE, token_budget=args.token_budget)]
+                                                            cpus=FFN_CORE, token_budget=args.token_budget,
+                                                            trace_dir=traces)]
             api = start_vllm_serve(model, port, root, name, block=block, engine_args=engine, env=env,
-                                   cpus=frontend_cores)
+                                   cpus=frontend_cores, trace_dir=traces)
         procs.append(api)
         wait_until(lambda: http_status(port, "/health") == 200, SERVE_START_SECONDS, f"{name} serving", procs)
         if stages is not None and frontend_cores != ATTENTION_CORE and not pin_descendants(api.popen.pid,
@@ -320,7 +292,7 @@ def serve_configuration(args, model: Path, root: Path, name: str, stages: int | 
         serve_load(port, loads[min(loads)][:2], 4)  # warm-up: the first requests of an engine compile kernels
         watched = () if stages is None else (lambda: tree_cpu_seconds(api.popen.pid, root=False),
                                              lambda: tree_cpu_seconds(procs[0].popen.pid))
-        return {concurrency: fastest(*(serve_load(port, prompts, args.max_tokens, watched)
+        return {concurrency: fastest(*(serve_load(port, prompts, args.max_tokens, watched)._replace(trace_dir=traces)
                                        for _ in range(args.repeats)))
                 for concurrency, prompts in loads.items()}
     finally:
@@ -374,6 +346,12 @@ def serve_suite(args, root: Path) -> int:
     for n in args.concurrency:
         plain, one, two = (best[name][n] for name, *_ in configurations[:3])
         print(f"{n} requests: " + cpu_reading(plain, one, two))
+    if args.trace_waits:
+        print("Where the Attention engine waited for replies in the best loads (stage traces)")
+        for n in args.concurrency:
+            one, two = (best[name][n] for name, *_ in configurations[1:3])
+            waits = [reply_waits(read_traces(load.trace_dir), load.window) for load in (one, two)]
+            print(f"{n} requests: " + wait_reading(one, two, *waits))
     return 0
 
 
@@ -390,6 +368,21 @@ def cpu_reading(plain: Load, one: Load, two: Load) -> str:
             f"{one.wall / attention_two:.2f} with S=2's Attention CPU, "
             f"{one.wall / attention_one:.2f} if a split cost the Attention side nothing; "
             f"AFD / plain at most {plain.wall / min(attention_one, attention_two):.2f}")
+
+
+def wait_reading(one: Load, two: Load, waits_one: ReplyWaits, waits_two: ReplyWaits) -> str:
+    """Each AFD load's waits for replies, each step's last reply apart (the FFN's last pass of
+    the step, which no schedule of its micro-batches overlaps), and the S=2 / S=1 bound with
+    S=2's waits for those added to its Attention CPU."""
+    def reading(name: str, load: Load, waits: ReplyWaits) -> str:
+        per_step = 1000 / max(1, waits.steps)
+        return (f"{name} {waits.last + waits.others:.2f} s of {load.wall:.2f} s: {waits.last:.2f} s for each step's "
+                f"last reply ({waits.last * per_step:.2f} ms a step over {waits.steps} steps; the FFN's pass and "
+                f"reply for it {waits.last_ffn * per_step:.2f} ms), {waits.others:.2f} s for the others; neither "
+                f"computing nor waiting for replies {load.wall - load.cpu[0] - waits.last - waits.others:.2f} s")
+    return (f"{reading('S=1', one, waits_one)}; {reading('S=2', two, waits_two)}; S=2 / S=1 tok/s at most "
+            f"{one.wall / (two.cpu[0] + waits_two.last):.2f} with S=2's Attention CPU and its waits for each step's "
+            "last reply")
 
 
 def main() -> int:
@@ -415,6 +408,9 @@ def main() -> int:
     p.add_argument("--split-every-step", action="store_true",
                    help="--suite serve: also AFD 2 stages with every step split (min_split_tokens 1), the "
                         "measurement the plugin's minimum step sizes come from")
+    p.add_argument("--trace-waits", action="store_true",
+                   help="--suite serve: AFD engines write stage traces (a line per dispatch, wait and combine, so "
+                        "they run slightly slower), read to print where the Attention engine waited for replies")
     p.add_argument("--frontend-on-attention-core", action="store_true",
                    help="--suite serve: also AFD 1 and 2 stages with the `vllm serve` front end pinned to the "
                         "Attention engine's core (by default it may use both cores, as plain vLLM's does)")

@@ -96,15 +96,17 @@ def test_round_trip_benchmark_alternates_two_worlds_in_one_pair_of_rank_processe
     assert proc.returncode == 2 and "--steps must be more than 20" in proc.stderr
 
 
-def _benchmark_module(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+@pytest.fixture
+def e2e(monkeypatch):
+    """benchmarks/e2e_cpu.py as a module (its sibling trace_reading.py importable, as when run)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("e2e_cpu", REPO / "benchmarks" / "e2e_cpu.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_serve_benchmark_reads_each_process_trees_cpu_from_the_kernel():
-    e2e = _benchmark_module("e2e_cpu")
+def test_serve_benchmark_reads_each_process_trees_cpu_from_the_kernel(e2e):
     spin = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass\ntime.sleep(60)"
     child = subprocess.Popen([sys.executable, "-c", spin])
     try:
@@ -123,8 +125,7 @@ def test_serve_benchmark_reads_each_process_trees_cpu_from_the_kernel():
     assert e2e.tree_cpu_seconds(child.pid) == 0.0  # gone: nothing to read
 
 
-def test_serve_benchmark_bounds_afd_by_its_attention_engines_cpu():
-    e2e = _benchmark_module("e2e_cpu")
+def test_serve_benchmark_bounds_afd_by_its_attention_engines_cpu(e2e):
     plain = e2e.Load(tokens_per_second=160.0, wall=6.0, cpu=())
     one = e2e.Load(tokens_per_second=100.0, wall=10.0, cpu=(7.4, 2.5))
     two = e2e.Load(tokens_per_second=110.0, wall=9.0, cpu=(8.0, 2.7))
@@ -132,3 +133,40 @@ def test_serve_benchmark_bounds_afd_by_its_attention_engines_cpu():
         "busy Attention S=1 0.74, S=2 0.89; busy FFN S=1 0.25, S=2 0.30; Attention CPU S=2 / S=1 = 1.08; "
         "S=2 / S=1 tok/s at most 1.25 with S=2's Attention CPU, 1.35 if a split cost the Attention side nothing; "
         "AFD / plain at most 0.81")
+
+
+def _interval(role: str, kind: str, step: int, layer: int, stage: int, start_us: int, length_us: int) -> dict:
+    return {"role": role, "kind": kind, "step": step, "layer": layer, "stage": stage,
+            "start_ns": 1000 * start_us, "end_ns": 1000 * (start_us + length_us)}
+
+
+def test_serve_benchmark_finds_where_the_attention_side_waited_for_replies(e2e):
+    traces = [
+        # step 5, two stages: layer 2's stage 1 waits a little, layer 3's stage 0 too, stage 1 is the last reply
+        _interval("attention", "combine_wait", 5, 2, 1, 100, 300),
+        _interval("attention", "combine_wait", 5, 3, 0, 1000, 500),
+        _interval("ffn", "expert_pass", 5, 3, 1, 1200, 1500),
+        _interval("ffn", "reply", 5, 3, 1, 2700, 100),
+        _interval("attention", "combine_wait", 5, 3, 1, 1700, 2000),
+        _interval("ffn", "expert_pass", 5, 3, 0, 600, 900),  # not the last
+        # step 6, one stage
+        _interval("attention", "combine_wait", 6, 3, 0, 5000, 400),
+        _interval("ffn", "expert_pass", 6, 3, 0, 4800, 500),
+        # step 9 began its wait after the window
+        _interval("attention", "combine_wait", 9, 3, 0, 9000, 100),
+        _interval("ffn", "expert_pass", 9, 3, 0, 8800, 300),
+    ]
+    waits = e2e.reply_waits(traces, (0, 8_000_000))
+    assert waits.steps == 2
+    assert waits.last == pytest.approx(0.0024)  # 2000 + 400 us
+    assert waits.others == pytest.approx(0.0008)
+    assert waits.last_ffn == pytest.approx(0.0021)  # step 5: 1500 + 100 us, step 6: 500 us
+    one = e2e.Load(tokens_per_second=100.0, wall=10.0, cpu=(7.4, 2.5))
+    two = e2e.Load(tokens_per_second=110.0, wall=9.0, cpu=(8.0, 2.7))
+    later = e2e.ReplyWaits(steps=100, last=0.5, others=0.2, last_ffn=0.45)
+    assert e2e.wait_reading(one, two, waits, later) == (
+        "S=1 0.00 s of 10.00 s: 0.00 s for each step's last reply (1.20 ms a step over 2 steps; the FFN's pass and "
+        "reply for it 1.05 ms), 0.00 s for the others; neither computing nor waiting for replies 2.60 s; S=2 0.70 s "
+        "of 9.00 s: 0.50 s for each step's last reply (5.00 ms a step over 100 steps; the FFN's pass and reply for it "
+        "4.50 ms), 0.20 s for the others; neither computing nor waiting for replies 0.30 s; S=2 / S=1 tok/s at most "
+        "1.18 with S=2's Attention CPU and its waits for each step's last reply")
