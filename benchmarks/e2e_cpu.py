@@ -375,7 +375,7 @@ def wait_reading(one: Load, two: Load, waits_one: ReplyWaits, waits_two: ReplyWa
     the step, which no schedule of its micro-batches overlaps), and the S=2 / S=1 bound with
     S=2's waits for those added to its Attention CPU."""
     def reading(name: str, load: Load, waits: ReplyWaits) -> str:
-        per_step = 1000 / max(1, waits.steps)
+        per_step = 1000 / waits.steps
         return (f"{name} {waits.last + waits.others:.2f} s of {load.wall:.2f} s: {waits.last:.2f} s for each step's "
                 f"last reply ({waits.last * per_step:.2f} ms a step over {waits.steps} steps; the FFN's pass and "
                 f"reply for it {waits.last_ffn * per_step:.2f} ms), {waits.others:.2f} s for the others; neither "

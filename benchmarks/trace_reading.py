@@ -65,10 +65,12 @@ def _seconds(intervals: Iterable[dict]) -> float:
 
 def reply_waits(traces: list[dict], window: tuple[int, int]) -> ReplyWaits:
     """Where the Attention side's waits for replies (``combine_wait``) that began in ``window``
-    went (one Attention rank's traces)."""
+    went (one Attention rank's traces); a ValueError when none did (no traces were written)."""
     start, end = window
     waits = [i for i in traces if i["role"] == "attention" and i["kind"] == "combine_wait"
              and start <= i["start_ns"] < end]
+    if not waits:
+        raise ValueError(f"no Attention rank's wait for a reply began in the window ({len(traces)} intervals traced)")
     last: dict[int, tuple[int, int]] = {}
     for i in waits:
         last[i["step"]] = max(last.get(i["step"], (-1, -1)), (i["layer"], i["stage"]))

@@ -157,6 +157,8 @@ def test_serve_benchmark_finds_where_the_attention_side_waited_for_replies(e2e):
         _interval("ffn", "expert_pass", 9, 3, 0, 8800, 300),
     ]
     waits = e2e.reply_waits(traces, (0, 8_000_000))
+    with pytest.raises(ValueError, match=r"no Attention rank's wait for a reply began in the window \(10 intervals"):
+        e2e.reply_waits(traces, (10_000_000, 20_000_000))
     assert waits.steps == 2
     assert waits.last == pytest.approx(0.0024)  # 2000 + 400 us
     assert waits.others == pytest.approx(0.0008)
