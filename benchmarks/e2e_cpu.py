@@ -101,6 +101,16 @@ def split_costs(name: str, one: tuple, two: tuple, steps: int) -> str:
             f"the S=1 pass over {rows_one:.0f} rows)")
 
 
+def held_back(name: str, steps: int, new_tokens: int) -> str | None:
+    """A line when vLLM's scheduler held requests back (more forward steps than new tokens, e.g.
+    a KV cache one block short): the held requests then run alone, in steps too small to split,
+    which dilute every stage ratio."""
+    if steps <= new_tokens:
+        return None
+    return (f"{name}: {steps} steps for {new_tokens} new tokens: not every request ran in every step (raise "
+            "--kv-cache-gib); the steps with few requests run unsplit and dilute the stage ratios")
+
+
 def batch_request(args, model: Path, prompts: list[list[int]]) -> dict:
     """The driver's request: every prompt scheduled in the same steps (the scheduler's limits
     raised to the whole batch: the driver's defaults keep 8 requests per step)."""
@@ -156,6 +166,9 @@ def stages_suite(args, prompts: list[list[int]], root: Path) -> int:
                      f"{pass_rows:>11.1f}{alone:>10.2f}{steps:>7}")
         same = "" if measured is None else ("yes" if result["token_ids"] == plain["token_ids"] else "NO")
         print(line + f"{same:>13}")
+    for name, _, measured in rows:
+        if measured is not None and (line := held_back(name, measured[3], args.max_tokens)):
+            print(line)
     by_name = {name: result["generate_seconds"] for name, result, _ in rows}
     for placement in ("attention", "ffn"):
         s1 = by_name[f"AFD {placement} S=1"]
@@ -398,7 +411,7 @@ def main() -> int:
                         "side's share of the step")
     p.add_argument("--kv-cache-gib", type=int, default=1,
                    help="--suite stages: vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE), large enough that every "
-                        "request runs in every step")
+                        "request runs in every step (each request takes at least one 128-token block)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 64], help="--suite serve: requests at once")
     p.add_argument("--repeats", type=int, default=2, help="--suite serve: loads per configuration and concurrency")
     p.add_argument("--rounds", type=int, default=1, help="--suite serve: cycles over the configurations")

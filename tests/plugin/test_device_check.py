@@ -135,6 +135,13 @@ def test_serve_benchmark_bounds_afd_by_its_attention_engines_cpu(e2e):
         "AFD / plain at most 0.81")
 
 
+def test_stages_benchmark_says_when_the_scheduler_held_requests_back(e2e):
+    assert e2e.held_back("AFD ffn S=2", 32, 32) is None
+    assert e2e.held_back("AFD ffn S=2", 64, 32) == (
+        "AFD ffn S=2: 64 steps for 32 new tokens: not every request ran in every step (raise --kv-cache-gib); the "
+        "steps with few requests run unsplit and dilute the stage ratios")
+
+
 def _interval(role: str, kind: str, step: int, layer: int, stage: int, start_us: int, length_us: int) -> dict:
     return {"role": role, "kind": kind, "step": step, "layer": layer, "stage": stage,
             "start_ns": 1000 * start_us, "end_ns": 1000 * (start_us + length_us)}
