@@ -89,8 +89,9 @@ def overlap_bound(name: str, wall: float, one: tuple) -> str:
 def split_costs(name: str, one: tuple, two: tuple, steps: int) -> str:
     """What a second micro-batch costs each side, from the S=1 and S=2 rows of one placement,
     modelling a side's time per step as (fixed cost per micro-batch) x stages + (cost per row)
-    x rows: the Attention side's extra busy time per step, and the fixed part of an FFN pass
-    (a in a + b x rows, from the mean passes at both row counts)."""
+    x rows: the Attention side's extra busy time per forward step (``steps``: as the S=1 run
+    counted them, more than the new tokens when requests were held back), and the fixed part of
+    an FFN pass (a in a + b x rows, from the mean passes at both row counts)."""
     attention_extra = 1000 * (two[0][0] - one[0][0]) / steps
     (ms_one, rows_one), (ms_two, rows_two) = one[1], two[1]
     per_row = (ms_one - ms_two) / (rows_one - rows_two)
@@ -177,8 +178,8 @@ def stages_suite(args, prompts: list[list[int]], root: Path) -> int:
     print(f"S=2: tok/s ffn / attention = {by_name['AFD attention S=2'] / by_name['AFD ffn S=2']:.2f}")
     measured = {name: m for name, _, m in rows}
     for placement in ("attention", "ffn"):
-        print(split_costs(placement, measured[f"AFD {placement} S=1"], measured[f"AFD {placement} S=2"],
-                          args.max_tokens))
+        one = measured[f"AFD {placement} S=1"]
+        print(split_costs(placement, one, measured[f"AFD {placement} S=2"], steps=one[3]))
     for placement in ("attention", "ffn"):
         print(overlap_bound(placement, by_name[f"AFD {placement} S=1"], measured[f"AFD {placement} S=1"]))
     for name, result, m in rows:

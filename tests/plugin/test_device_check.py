@@ -142,6 +142,14 @@ def test_stages_benchmark_says_when_the_scheduler_held_requests_back(e2e):
         "steps with few requests run unsplit and dilute the stage ratios")
 
 
+def test_stages_benchmark_costs_a_split_per_forward_step(e2e):
+    one = ((16.0, 16.0), (44.0, 624.0), 3.0, 32)  # (busy A, busy F), (pass ms, rows), A only, steps
+    two = ((18.0, 17.5), (24.0, 312.0), 2.0, 32)
+    assert e2e.split_costs("ffn", one, two, steps=32) == (
+        "ffn: a second micro-batch adds 62.5 ms per step to the Attention side (12% of its S=1 busy time per step); "
+        "an FFN pass costs 4.00 ms + 64.1 us per row (fixed part 9% of the S=1 pass over 624 rows)")
+
+
 def _interval(role: str, kind: str, step: int, layer: int, stage: int, start_us: int, length_us: int) -> dict:
     return {"role": role, "kind": kind, "step": step, "layer": layer, "stage": stage,
             "start_ns": 1000 * start_us, "end_ns": 1000 * (start_us + length_us)}
