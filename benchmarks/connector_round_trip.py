@@ -111,13 +111,13 @@ def ffn_process(baseline: Path, model_dir: str, ports: list[int], tokens: int) -
 
 def measure(baseline: Path, model_dir: str, tokens: int, steps: int) -> dict[int, dict[str, float]]:
     """Per world (0 BEFORE, 1 this checkout): median step and per-layer span times, in us."""
-    from afd_shared_experts.selfcheck import free_ports
+    from afd_devcluster.ports import free_port
 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     with tempfile.TemporaryDirectory() as trace_dir:
         os.environ["AFD_TRACE_DIR"] = trace_dir  # inherited by the rank processes
-        ports = free_ports(2)
+        ports = [free_port(), free_port()]
         ranks = [context.Process(target=attention_process, args=(baseline, model_dir, ports, tokens, steps, results)),
                  context.Process(target=ffn_process, args=(baseline, model_dir, ports, tokens))]
         for rank in ranks:

@@ -77,7 +77,8 @@ def reference_outputs(model_dir: Path, x: torch.Tensor, dtype: torch.dtype) -> d
     return outputs
 
 
-def selfcheck_all(device: torch.device, attention_ranks: int, ffn_ranks: int, tokens: int, steps: int) -> None:
+def selfcheck_all(device: torch.device, attention_ranks: int, ffn_ranks: int, tokens: int, steps: int,
+                  port: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model(Path(tmp) / "v3-scaled")
         spec = load_spec(model_dir)
@@ -85,8 +86,10 @@ def selfcheck_all(device: torch.device, attention_ranks: int, ffn_ranks: int, to
               f"real P2PConnector, {tokens} tokens, {steps} steps")
         x = torch.randn(tokens, spec.hidden_size, generator=torch.Generator().manual_seed(tokens))
         runs = [RunSpec(model_dir=str(model_dir), attention_ranks=attention_ranks, ffn_ranks=ffn_ranks,
-                        placement=placement, partition=partition, dtype=dtype_name, steps=steps, device=str(device))
-                for placement, partition in VARIANTS for dtype_name in TOLERANCE]
+                        placement=placement, partition=partition, dtype=dtype_name, steps=steps, device=str(device),
+                        port=port + number if port else 0)
+                for number, (placement, partition, dtype_name) in enumerate(
+                    (placement, partition, dtype_name) for placement, partition in VARIANTS for dtype_name in TOLERANCE)]
         for run, result in zip(runs, run_topologies(runs, x)):
             report = result.report
             # auto must pick the staged plane for several ranks on one device
@@ -214,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="token counts of the graph check and timing table (none: skip them)")
     parser.add_argument("--timing-ffn-ranks", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--port", type=int, default=0,
+                        help=f"the self-check's rendezvous ports are PORT, PORT+1, .. (one per run, "
+                             f"{len(VARIANTS) * len(TOLERANCE)}); default: free ports outside the ephemeral range")
     return parser
 
 
@@ -226,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     if 32 % args.ffn_ranks or 256 % args.timing_ffn_ranks:
         parser.error("--ffn-ranks must divide 32 and --timing-ffn-ranks must divide 256 "
                      f"(got {args.ffn_ranks}, {args.timing_ffn_ranks})")
+    if not 0 <= args.port <= 65535 - len(VARIANTS) * len(TOLERANCE):
+        parser.error(f"--port must leave room for {len(VARIANTS) * len(TOLERANCE)} ports below 65536 (got {args.port})")
     if any(t < 1 for t in args.timing_tokens):
         parser.error(f"--timing-tokens must all be >= 1 (got {args.timing_tokens})")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -236,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     try:
-        selfcheck_all(device, args.attention_ranks, args.ffn_ranks, args.tokens, args.steps)
+        selfcheck_all(device, args.attention_ranks, args.ffn_ranks, args.tokens, args.steps, args.port)
         if args.timing_tokens:
             graph_and_timings(device, args.timing_tokens, args.timing_ffn_ranks, args.repeats)
     except RuntimeError as exc:  # CheckFailed, or a forbidden sync under sync-debug mode

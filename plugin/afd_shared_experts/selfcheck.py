@@ -22,7 +22,6 @@ import json
 import multiprocessing
 import os
 import queue
-import socket
 import sys
 import threading
 import time
@@ -43,6 +42,7 @@ from .errors import DeviceUnavailableError
 from .ffn_runtime import FFNRuntime, torch_experts
 from .model import DTYPES, load_attention_weights, load_ffn_weights
 from .moe_spec import load_spec
+from .ports import listen_ports
 
 CHILD_DEADLINE_SECONDS = 600.0
 # After a rank fails, how long to wait for its peers' errors: the rank that failed first
@@ -261,18 +261,6 @@ def validate_device(run: RunSpec) -> None:
                              "use staged or auto")
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct free ports (the sockets are held together while they are picked)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 def _child_main(role: str, index: int, runs: list[RunSpec], hidden_states, results, step_barrier) -> None:
     """One rank of every run in turn (a new AFD world per run)."""
     for number, run in enumerate(runs):
@@ -305,7 +293,7 @@ def run_topologies(runs: list[RunSpec], hidden_states: torch.Tensor) -> list[Run
     explicit = [run.port for run in runs if run.port]
     if len(set(explicit)) != len(explicit):
         raise SelfCheckError(f"runs of one launch need distinct ports (got {explicit})")
-    picked = iter(free_ports(len(runs) - len(explicit), runs[0].host))
+    picked = iter(listen_ports(len(runs) - len(explicit), runs[0].host))
     runs = [replace(run, port=run.port or next(picked)) for run in runs]
     attention_ranks, ffn_ranks = runs[0].attention_ranks, runs[0].ffn_ranks
     num_tokens = hidden_states.shape[0]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from afd_devcluster.ports import port_span_base
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -45,7 +47,7 @@ def test_device_check_passes_on_the_cpu():
     picks the staged plane for ranks sharing a device; then the custom-op layer's timing table
     (eager only: no graphs on the CPU)."""
     proc = run([str(REPO / "scripts/device-check.sh"), "--device", "cpu", "--tokens", "9", "--steps", "3",
-                "--timing-tokens", "1", "4", "--repeats", "1"])
+                "--timing-tokens", "1", "4", "--repeats", "1", "--port", str(port_span_base())])
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0] == ("self-check on cpu: 1 Attention + 1 FFN rank processes on one device, real P2PConnector, "

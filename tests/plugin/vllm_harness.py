@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from afd_devcluster import free_port
+from afd_devcluster.ports import describe_bind_failure, port_span_base
 from afd_shared_experts.trace import TRACE_DIR_ENV, read_traces
 
 HERE = Path(__file__).resolve().parent
@@ -62,7 +63,10 @@ def base_env(**extra: str) -> dict[str, str]:
                # warms up: 10-15 s of every engine start here (inductor's ISA probes start a Python
                # per ISA). Every request of the tests is greedy, which never runs that kernel; the
                # models run eager either way (enforce_eager, or the plugin's config hook).
-               TORCHDYNAMO_DISABLE="1")
+               TORCHDYNAMO_DISABLE="1",
+               # Every port vLLM opens for itself (data-parallel master ports, the engine's process
+               # group) from a span of the port plan, outside the ephemeral range (afd_devcluster.ports).
+               VLLM_PORT=str(port_span_base()))
     env.update(extra)
     return env
 
@@ -110,7 +114,8 @@ class Proc:
         text = self.log()
         first = min((i for i in (text.find("Traceback"), text.find(" ERROR ")) if i >= 0), default=-1)
         head = f"{text[first:first + 3000]}\n[...]\n" if 0 <= first < len(text) - 3000 else ""
-        return head + text[-3000:]
+        owners = describe_bind_failure(text)
+        return head + text[-3000:] + (f"\n[bind failures: {owners}]" if owners else "")
 
     def signal(self, sig: int) -> None:
         if self.popen.poll() is None:
