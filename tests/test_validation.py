@@ -64,6 +64,9 @@ MALFORMED = [
     ("spec.attention.engineArgs", ["--tensor-parallel-size=8"], "spec.attention.engineArgs[0]", "set by the operator"),
     ("spec.attention.engineArgs", ["--enforce-eager", "--shutdown-timeout", "0"], "spec.attention.engineArgs[1]",
      "'--shutdown-timeout' is set by the operator from termination.gracePeriodSeconds"),
+    ("spec.attention.engineArgs", ["--pipeline-parallel-size", "2"], "spec.attention.engineArgs",
+     "pipeline parallel is not supported (--pipeline-parallel-size 2): the AFD world's Attention ranks are data x "
+     "tensor parallel, with no pipeline axis"),
     ("spec.attention.env", [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}], "spec.attention.env[1].name", "duplicate"),
     ("spec.attention.env", [{"name": "1BAD", "value": "1"}], "spec.attention.env[0].name", "not start with a digit"),
     ("spec.attention.env", [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],

@@ -190,6 +190,11 @@ def _int_flag(values: dict[str, Optional[str]], *flags: str, default: int) -> in
     return default
 
 
+def attention_pipeline_parallel(spec: AFDDeploymentSpec) -> int:
+    """The Attention engines' --pipeline-parallel-size (1 unless engineArgs set it)."""
+    return _int_flag(_flag_values(spec.attention.engine_args), "--pipeline-parallel-size", "-pp", default=1)
+
+
 def spec_stage_limit(spec: AFDDeploymentSpec) -> tuple[int, str]:
     """The plugin's stage rule (`stage_limit`) for the Attention engines this spec renders."""
     values = _flag_values(spec.attention.engine_args)
@@ -198,7 +203,7 @@ def spec_stage_limit(spec: AFDDeploymentSpec) -> tuple[int, str]:
         platform=spec.platform,
         worker_cls=None if worker_cls in ("auto", None) else worker_cls,
         speculative="--speculative-config" in values,
-        pipeline_parallel=_int_flag(values, "--pipeline-parallel-size", "-pp", default=1),
+        pipeline_parallel=attention_pipeline_parallel(spec),
         vllm_micro_batching="--enable-dbo" in values or _int_flag(values, "--ubatch-size", default=0) > 1)
 
 

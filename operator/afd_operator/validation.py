@@ -23,9 +23,9 @@ from . import kube_rules, naming
 from .api import (MAX_REPLICAS, MAX_ROLE_RANKS, RESOURCE_NAMES, AFDDeployment, AFDDeploymentSpec, EnvVar,
                   PodTemplateOverrides, ResourceRequirements)
 from .kube_rules import quantity_value
-from .planner import (ASCEND_HOST_VOLUME, HCCN_VOLUME, MODEL_VOLUME, attention_layout, ffn_layout, instance_frame,
-                      instance_ports, operator_mounts, role_configs, rollout_budget, spec_stage_limit,
-                      uses_host_network)
+from .planner import (ASCEND_HOST_VOLUME, HCCN_VOLUME, MODEL_VOLUME, attention_layout, attention_pipeline_parallel,
+                      ffn_layout, instance_frame, instance_ports, operator_mounts, role_configs, rollout_budget,
+                      spec_stage_limit, uses_host_network)
 from .policy import UNCHECKED_HOST_ACCESS, ClusterPolicy, HostAccess, under
 from .problems import Problem, check_shape, pydantic_problems
 from .revision import REVISION_LENGTH
@@ -208,6 +208,11 @@ def _check_engine_args(spec: AFDDeploymentSpec) -> list[Problem]:
                 f"'{flag}' is refused by vLLM on headless Attention pods (these ranks span {attention_pods} "
                 "pods and engineArgs go to every one); allowed only when all Attention ranks fit in one pod",
             ))
+    pipeline = attention_pipeline_parallel(spec)
+    if pipeline > 1:
+        problems.append(Problem("spec.attention.engineArgs", f"pipeline parallel is not supported (--pipeline-parallel-"
+                                f"size {pipeline}): the AFD world's Attention ranks are data x tensor parallel, with no "
+                                "pipeline axis"))
     return problems
 
 

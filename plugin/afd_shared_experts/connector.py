@@ -33,20 +33,18 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from .config import DATA_PLANES, DEFAULT_RENDEZVOUS_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS, AFDConfig
-from .device import host_buffer, new_process_group, orders_on_stream, resolve_device, to_device, to_host
-from .errors import AFDError, ConnectorClosedError, PairingError, PayloadError, PeerLostError
+from .device import host_buffer, resolve_device, to_device, to_host
+from .errors import AFDError, ConnectorClosedError, DeviceUnavailableError, PairingError, PayloadError, PeerLostError
 from .metrics import RuntimeMetrics
 from .rendezvous import agree_on_world, open_store
-from .transport import (DEVICE_POLL_SECONDS, PROCESS_GROUP_TIMEOUT, RECV, SEND, WAIT_SLICE_SECONDS, WATCHER_JOIN_SECONDS, Heartbeat,
-                        InFlight, Link, P2POperation, ProcessGroupTransport, StreamOrdered, Transport)
+from .transport import (DEVICE_POLL_SECONDS, LINKS, RECV, SEND, WAIT_SLICE_SECONDS, WATCHER_JOIN_SECONDS, Heartbeat,
+                        InFlight, Link, LinkTransportFactory, P2POperation, StreamOrdered, Transport, link_transports)
 from .wire import (BYTE_KINDS, KIND_SHUTDOWN, ROWS_FIELD, TAG_REPLY, TAG_WORK, DispatchTicket, FFNPayload,
                    StepCounter, WireLayout, WorkItem, check_stage, unpack_work)
 
 CPU = torch.device("cpu")
-LINKS = ("work", "reply")
 
 
 @dataclass(eq=False)
@@ -139,6 +137,7 @@ class P2PConnector(AFDConnector):
         data_plane: str = "auto",
         metrics: RuntimeMetrics | None = None,
         transport_wrapper: Callable[[Transport], Transport] | None = None,
+        link_transport: LinkTransportFactory | None = None,
     ):
         if role not in ("attention", "ffn"):
             raise ValueError(f"role must be attention or ffn (got {role!r})")
@@ -163,9 +162,10 @@ class P2PConnector(AFDConnector):
         self.data_plane: str | None = None  # agreed by the world at init()
         self.metrics = metrics
         self._transport_wrapper = transport_wrapper
+        self._link_transport = link_transport
         self.sent_bytes = dict.fromkeys(BYTE_KINDS, 0)
         self._store = None
-        self._groups: list = []
+        self._groups: list = []  # the links' transports (a device link's is aborted on a lost peer)
         self._links: dict[str, Link] = {}
         self._closed = threading.Event()
         self._initialized = False
@@ -191,13 +191,14 @@ class P2PConnector(AFDConnector):
     def from_config(cls, cfg: AFDConfig, *, role: str, rank: int, layout: WireLayout, device: str | torch.device = "cpu",
                     metrics: RuntimeMetrics | None = None,
                     transport_wrapper: Callable[[Transport], Transport] | None = None,
-                    data_plane: str | None = None) -> P2PConnector:
+                    data_plane: str | None = None, link_transport: LinkTransportFactory | None = None) -> P2PConnector:
         """The connector of world rank ``rank`` for an ``afd`` config; the data plane comes
         from ``data_plane`` or else the config's ``connector_extra_config.data_plane``."""
         return cls(role=role, rank=rank, num_attention_ranks=cfg.num_attention_ranks,
                    num_ffn_ranks=cfg.num_ffn_ranks, host=cfg.host, port=cfg.port, layout=layout, device=device,
                    timeout_seconds=cfg.timeout_seconds, rendezvous_timeout_seconds=cfg.rendezvous_timeout_seconds,
-                   data_plane=data_plane or cfg.data_plane, metrics=metrics, transport_wrapper=transport_wrapper)
+                   data_plane=data_plane or cfg.data_plane, metrics=metrics, transport_wrapper=transport_wrapper,
+                   link_transport=link_transport)
 
     # ------------------------------------------------------------------ lifetime
     @property
@@ -222,10 +223,10 @@ class P2PConnector(AFDConnector):
                                      self.rendezvous_timeout_seconds, self._closed)
             self.data_plane = agree_on_world(self._store, self.rank, self.world_size, self.requested_data_plane,
                                              self.device, self.layout)
-            link_device = CPU if self._staged else self.device
-            self._groups = [new_process_group(link_device, dist.PrefixStore(f"afd/{name}", self._store), self.rank,
-                                              self.world_size, PROCESS_GROUP_TIMEOUT) for name in LINKS]
-        except ValueError:
+            gloo = self._staged or (self.device.type == "cpu" and self._link_transport is None)
+            self._groups = link_transports(self._store, self.rank, self.world_size, self.device, gloo=gloo,
+                                           factory=self._link_transport)
+        except (ValueError, DeviceUnavailableError):
             self._failed = True
             raise
         except Exception as exc:
@@ -235,9 +236,8 @@ class P2PConnector(AFDConnector):
                 f"{self.world_size} failed within {self.rendezvous_timeout_seconds}s: {exc}"
             ) from exc
         wrap = self._transport_wrapper or (lambda transport: transport)
-        self._links = {name: Link(name, wrap(ProcessGroupTransport(group, link_device)),
-                                  on_stream=orders_on_stream(link_device), rank=self.rank, wakeup=self._wakeup)
-                       for name, group in zip(LINKS, self._groups)}
+        self._links = {name: Link(name, wrap(transport), rank=self.rank, wakeup=self._wakeup)
+                       for name, transport in zip(LINKS, self._groups)}
         self._heartbeat = Heartbeat(self.host, self.port, self.rank, self.timeout_seconds)
         if self.role == "ffn":
             self._active_sources = list(range(self.num_attention_ranks))

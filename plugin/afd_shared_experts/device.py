@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
+import threading
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -50,38 +51,51 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return device
 
 
+_selected = threading.local()
+
+
 def select_device(device: torch.device) -> None:
-    """Make ``device`` this process's current accelerator device: the backends' communicators,
-    streams and vLLM's layers use the current device, which is index 0 until a rank selects
-    its own (an FFN rank with local index 1 would otherwise run on device 0). torch_npu
-    registers the NPU as torch's accelerator, so one call serves cuda and npu."""
+    """Make ``device`` the calling thread's current device. The current accelerator device is
+    per host thread (CUDA and the NPU runtime alike) and index 0 until a thread selects its own:
+    every thread that launches device work (an FFN rank's runtime thread, a stage thread) must
+    call this, or an FFN rank with local index 1 launches on device 0 with pointers of device 1.
+    torch_npu registers the NPU as torch's accelerator, so one call serves cuda and npu. The
+    choice is also kept per thread, for ``current_device`` on the CPU."""
     if device.type != "cpu" and device.index is not None:
         torch.accelerator.set_device_index(device.index)
+    _selected.device = device
 
 
-def new_process_group(device: torch.device, store: dist.Store, rank: int, world_size: int, timeout: timedelta):
-    """A process group of the AFD world for tensors on ``device`` (gloo for ``cpu``),
-    separate from the caller's default group."""
-    backend = BACKEND_BY_DEVICE[device.type]
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, options)
-    # Not exercisable on CPU machines: mirrors the NCCL constructor shape that torch_npu exposes.
-    from torch_npu._C._distributed_c10d import ProcessGroupHCCL
-
-    options = ProcessGroupHCCL.Options()
-    options._timeout = timeout
-    return ProcessGroupHCCL(store, rank, world_size, options)
+def current_device(device: torch.device) -> torch.device | None:
+    """The calling thread's current device of ``device``'s type: the accelerator's current
+    index on cuda and npu; on the CPU the device the thread selected with ``select_device``
+    (None: none yet)."""
+    if device.type == "cpu":
+        return getattr(_selected, "device", None)
+    return torch.device(device.type, torch.accelerator.current_device_index())
 
 
-def orders_on_stream(device: torch.device) -> bool:
-    """Whether point-to-point works on ``device``'s backend complete on a device stream
-    (nccl/hccl: ``wait()`` makes the caller's current stream wait, the host does not), as
-    opposed to gloo, whose works complete only through a host-blocking ``wait()``."""
-    return BACKEND_BY_DEVICE[device.type] != "gloo"
+def gloo_process_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup:
+    """A gloo process group of the AFD world (host tensors), separate from the caller's default group."""
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+class DeviceStreams:
+    """Streams and events of an accelerator through torch's device module (cuda; npu once
+    torch_npu is loaded): what ``transport.GroupedTransport`` needs."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.module = torch.get_device_module(device)
+
+    def new_stream(self):
+        return self.module.Stream(device=self.device)
+
+    def current_stream(self):
+        return self.module.current_stream(self.device)
+
+    def new_event(self):
+        return self.module.Event()
 
 
 def device_identity(device: torch.device) -> str:

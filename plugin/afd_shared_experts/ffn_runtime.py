@@ -12,6 +12,7 @@ import torch
 
 from .compute import shared_expert_output, swiglu
 from .connector import AFDConnector
+from .device import select_device
 from .wire import WorkItem
 from .errors import AFDError, ConnectorClosedError, PayloadError
 from .ffn_batching import StageBatcher
@@ -254,8 +255,13 @@ class FFNRuntime:
                 trace.record("reply", started[0], wall_ns=started[1], rows=0, peers=len(group), **where)
 
     def start(self) -> "FFNRuntime":
+        device = getattr(self.connector, "device", None)
+
         def run():
             try:
+                # The current device is per thread: this one launches the experts and posts the replies.
+                if device is not None:
+                    select_device(device)
                 self.serve()
             except BaseException as exc:  # stored; surfaced by stop()/join()
                 self.error = exc

@@ -23,7 +23,8 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from .errors import ConnectorClosedError, PeerLostError
+from .device import gloo_process_group
+from .errors import ConnectorClosedError, DeviceUnavailableError, PeerLostError
 
 WAIT_SLICE_SECONDS = 0.05
 # How often a device work's completion is polled (nccl/hccl works report it through an event).
@@ -33,6 +34,7 @@ PROCESS_GROUP_TIMEOUT = timedelta(days=1)
 # How often a rank polls for rank 0's store to listen before joining it (see wait_for_listener).
 LISTENER_POLL_SECONDS = 0.2
 SEND, RECV = "isend", "irecv"
+LINKS = ("work", "reply")
 
 class Handle(Protocol):
     def is_completed(self) -> bool: ...
@@ -41,9 +43,10 @@ class Handle(Protocol):
 
 
 class Transport(Protocol):
-    """Non-blocking point-to-point primitive the connector is written against (one per
-    process group: ``transport_wrapper`` sees each of them). A transport may also offer
-    ``batch(ops) -> list[Handle]`` for posting several operations as one call."""
+    """Non-blocking point-to-point primitive the connector is written against (one per link:
+    ``transport_wrapper`` sees each of them). A transport may instead offer
+    ``batch(ops) -> list[Handle]``, posting a link's operations as one call (``GroupedTransport``);
+    ``on_stream`` says whether its handles complete on a device stream."""
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Handle: ...
 
@@ -59,8 +62,13 @@ class P2POperation:
 
 
 class ProcessGroupTransport:
-    def __init__(self, process_group, device: torch.device | None = None):
-        self.process_group, self.device = process_group, device
+    """A gloo link: host tensors, each operation a work of its own (gloo has no grouping, so
+    the operations of a post go out back to back)."""
+
+    on_stream = False
+
+    def __init__(self, process_group):
+        self.process_group = process_group
 
     def isend(self, tensor, dst, tag):
         return self.process_group.send([tensor], dst, tag)
@@ -68,21 +76,122 @@ class ProcessGroupTransport:
     def irecv(self, tensor, src, tag):
         return self.process_group.recv([tensor], src, tag)
 
-    def batch(self, ops: list[P2POperation]) -> list[Handle]:
-        """The operations as one call where the backend coalesces point-to-point (nccl, and
-        hccl where torch_npu supports it: one group launch, one work for all of them, as
-        ``torch.distributed.batch_isend_irecv`` does for registered groups); gloo has no
-        coalescing, so its operations are posted back to back."""
-        group = self.process_group
-        coalesce = self.device is not None and self.device.type != "cpu" and len(ops) > 1 and \
-            getattr(group, "supports_coalescing", False)
-        if not coalesce:
-            return [getattr(self, op.kind)(op.tensor, op.peer, op.tag) for op in ops]
-        group._start_coalescing(self.device)
-        for op in ops:
-            getattr(self, op.kind)(op.tensor, op.peer, op.tag)
-        work = group._end_coalescing(self.device)
-        return [work] * len(ops)
+
+class Communicator(Protocol):
+    """A device link's communicator, as vLLM's ``PyNcclCommunicator`` and vllm-ascend's
+    ``PyHcclCommunicator`` offer it: sends and receives launched on a stream, grouped between
+    ``group_start`` and ``group_end`` (one fused launch), completing in stream order."""
+
+    def group_start(self) -> None: ...
+
+    def group_end(self) -> None: ...
+
+    def send(self, tensor: torch.Tensor, dst: int, stream=None) -> None: ...
+
+    def recv(self, tensor: torch.Tensor, src: int, stream=None) -> None: ...
+
+
+class Streams(Protocol):
+    """The stream and event operations a grouped link needs (``device.DeviceStreams`` on an
+    accelerator)."""
+
+    def new_stream(self): ...
+
+    def current_stream(self): ...
+
+    def new_event(self): ...
+
+
+class EventHandle:
+    """Completion of one grouped post: an event recorded on the link's stream after the group."""
+
+    __slots__ = ("event", "streams")
+
+    def __init__(self, event, streams: Streams):
+        self.event, self.streams = event, streams
+
+    def is_completed(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> None:
+        """The caller's current stream waits for the group (the host does not)."""
+        self.streams.current_stream().wait_event(self.event)
+
+
+class GroupedTransport:
+    """A device link (the ``direct`` plane on an accelerator) over one communicator: every post
+    of either side, one operation or many, is one group on the link's own stream, so both ends
+    of every pair post the same way on the same communicator, and each link's operations
+    block only that link's stream (a receive waiting for the next work frame never holds up a
+    reply on the other link, nor the compute stream). The link stream first waits for the
+    caller's stream: the frames it sends were written there. No private torch API.
+
+    ``posting_device(device)`` is the calling thread's current device (``device.current_device``):
+    a thread that did not select the rank's device would launch on another device's stream."""
+
+    on_stream = True
+
+    def __init__(self, name: str, communicator: Communicator, streams: Streams, device: torch.device,
+                 posting_device: Callable[[torch.device], torch.device | None]):
+        self.name, self.communicator, self.streams, self.device = name, communicator, streams, device
+        self._posting_device = posting_device
+        self.stream = streams.new_stream()
+
+    def batch(self, ops: list[P2POperation]) -> list[EventHandle]:
+        selected = self._posting_device(self.device)
+        if selected is None or selected.type != self.device.type or \
+                (self.device.index is not None and selected.index != self.device.index):
+            raise RuntimeError(f"thread {threading.current_thread().name!r} posts on the {self.name} link of "
+                               f"{self.device} but selected {selected or 'no device'} (device.select_device)")
+        self.stream.wait_stream(self.streams.current_stream())
+        communicator = self.communicator
+        communicator.group_start()
+        try:
+            for op in ops:
+                post = communicator.send if op.kind == SEND else communicator.recv
+                post(op.tensor, op.peer, stream=self.stream)
+        finally:
+            communicator.group_end()
+        event = self.streams.new_event()
+        event.record(self.stream)
+        handle = EventHandle(event, self.streams)
+        return [handle] * len(ops)
+
+    def abort(self) -> None:
+        """Fail what the link's stream waits on (a lost peer): the communicator's abort."""
+        destroy = getattr(self.communicator, "destroy", None)
+        if destroy is not None:
+            destroy()
+
+
+# Makes one device link's transport: (link name, its store, world rank, world size, device).
+LinkTransportFactory = Callable[[str, dist.Store, int, int, torch.device], "Transport"]
+
+
+def accelerator_link_transport(name: str, store: dist.Store, rank: int, world_size: int,
+                               device: torch.device) -> GroupedTransport:
+    """One link of the ``direct`` plane on an accelerator: vLLM's communicator
+    (vllm/communicators.py), imported only here, when such a link is made."""
+    try:
+        from .vllm.communicators import link_transport
+    except ImportError as exc:
+        raise DeviceUnavailableError(
+            f"data plane direct on {device}: its links are vLLM's PyNcclCommunicator, and vLLM cannot be "
+            f"imported here ({exc}); use data_plane staged") from exc
+    return link_transport(name, store, rank, world_size, device)
+
+
+def link_transports(store: dist.Store, rank: int, world_size: int, device: torch.device, *, gloo: bool,
+                    factory: LinkTransportFactory | None) -> list:
+    """The world's two links (LINKS), each on a store prefix of its own: gloo groups (``gloo``:
+    the staged plane, and the CPU), else one communicator per link from ``factory`` (default:
+    vLLM's, ``accelerator_link_transport``)."""
+    stores = [dist.PrefixStore(f"afd/{name}", store) for name in LINKS]
+    if gloo:
+        return [ProcessGroupTransport(gloo_process_group(link_store, rank, world_size, PROCESS_GROUP_TIMEOUT))
+                for link_store in stores]
+    make = factory or accelerator_link_transport
+    return [make(name, link_store, rank, world_size, device) for name, link_store in zip(LINKS, stores)]
 
 
 class Tracked:
@@ -191,8 +300,8 @@ class Link:
     pair only sends and the other only receives, in the same order: in-order execution per
     pair cannot deadlock it, and a receive waiting on it never holds up the other direction."""
 
-    def __init__(self, name: str, transport: Transport, *, on_stream: bool, rank: int, wakeup: threading.Event):
-        self.name, self.transport, self.on_stream = name, transport, on_stream
+    def __init__(self, name: str, transport: Transport, *, rank: int, wakeup: threading.Event):
+        self.name, self.transport, self.on_stream = name, transport, getattr(transport, "on_stream", False)
         self._rank, self._wakeup = rank, wakeup
         self._watchers: dict[int, Watcher] = {}
 
@@ -264,8 +373,9 @@ def wait_for_listener(host: str, port: int, deadline: float, cancelled: threadin
 
 def choose_data_plane(requests: list[tuple[str, str]]) -> str:
     """The data plane of a world from every rank's (requested plane, device identity): one
-    request for all; ``auto`` is ``direct`` when every rank owns an accelerator of its own,
-    else ``staged`` (CPU ranks; NCCL refuses two ranks of one communicator on one GPU)."""
+    request for all; ``auto`` is ``direct`` when every rank owns a GPU of its own, else
+    ``staged`` (CPU ranks; NCCL refuses two ranks of one communicator on one GPU; NPUs have no
+    point-to-point communicator in vllm-ascend: vllm/communicators.py)."""
     requested = sorted({plane for plane, _ in requests})
     if len(requested) != 1:
         raise ValueError(f"data_plane: every rank of the AFD world must request the same data plane "
@@ -273,7 +383,7 @@ def choose_data_plane(requests: list[tuple[str, str]]) -> str:
     if requested[0] != "auto":
         return requested[0]
     identities = [identity for _, identity in requests]
-    if "cpu" in identities or len(set(identities)) < len(identities):
+    if any("/cuda/" not in identity for identity in identities) or len(set(identities)) < len(identities):
         return "staged"
     return "direct"
 

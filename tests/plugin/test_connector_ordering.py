@@ -189,6 +189,8 @@ def test_data_plane_is_agreed_by_the_whole_world():
     assert choose_data_plane([("auto", "cpu"), ("auto", "h/cuda/GPU-1")]) == "staged"
     assert choose_data_plane([("auto", "h/cuda/GPU-1"), ("auto", "h/cuda/GPU-1")]) == "staged"  # one GPU, two ranks
     assert choose_data_plane([("auto", "h/cuda/GPU-1"), ("auto", "h/cuda/GPU-2")]) == "direct"
+    # vllm-ascend has no point-to-point communicator: NPU worlds are staged (vllm/communicators.py)
+    assert choose_data_plane([("auto", "h/npu/0"), ("auto", "h/npu/1")]) == "staged"
     assert choose_data_plane([("direct", "cpu"), ("direct", "cpu")]) == "direct"
     with pytest.raises(ValueError, match="data_plane: every rank of the AFD world must request the same data plane "
                                          r"\(got direct, staged\)"):

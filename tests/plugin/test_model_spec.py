@@ -54,11 +54,12 @@ def test_what_cannot_be_served_is_refused_naming_the_key(config, rule):
         spec_from_config({**base, **config}, "ckpt/config.json")
 
 
-def engine(tmp_path, model_type: str, ffn_ranks: int = 2):
+def engine(tmp_path, model_type: str, ffn_ranks: int = 2, pipeline_parallel: int = 1):
     import json
 
     (tmp_path / "config.json").write_text(json.dumps(model_config(model_type)))
-    return SimpleNamespace(model_config=SimpleNamespace(model=str(tmp_path))), parse_afd_config(
+    return SimpleNamespace(model_config=SimpleNamespace(model=str(tmp_path)),
+                           parallel_config=SimpleNamespace(pipeline_parallel_size=pipeline_parallel)), parse_afd_config(
         afd_block("attention", port=1, ffn_ranks=ffn_ranks))
 
 
@@ -72,3 +73,6 @@ def test_the_attention_engine_refuses_an_architecture_without_a_wrapper(tmp_path
     uneven, cfg3 = engine(tmp_path, "qwen3_moe", ffn_ranks=3)
     with pytest.raises(AFDConfigError, match=r"afd.num_ffn_ranks: must divide the model's 8 routed experts"):
         require_afd_model(uneven, cfg3, "Qwen3MoeForCausalLM", wrapped)
+    pipelined, cfg = engine(tmp_path, "qwen3_moe", pipeline_parallel=2)
+    with pytest.raises(ValueError, match=r"afd: pipeline parallel is not supported \(--pipeline-parallel-size 2\)"):
+        require_afd_model(pipelined, cfg, "Qwen3MoeForCausalLM", wrapped)

@@ -71,6 +71,15 @@ def test_experts_that_do_not_split_over_the_ffn_ranks_are_refused(root):
         engine_config(root, model, "uneven", afd_block("attention", port=free_port(), ffn_ranks=3))
 
 
+def test_pipeline_parallel_is_refused_in_one_line(root):
+    model = write_config_checkpoint(root / "v3-pp", model_config("deepseek_v3", hidden=64, inter=64, experts=8))
+    request = {"model": str(model), "config_only": True, "pipeline_parallel_size": 2,
+               "additional_config": afd_block("attention", port=free_port())}
+    with pytest.raises(AssertionError, match=r"afd: pipeline parallel is not supported \(--pipeline-parallel-size 2\): "
+                                             r"the AFD world's ranks are data x tensor parallel Attention ranks"):
+        run_driver(request, root, "pp")
+
+
 def test_vllm_serve_on_an_unservable_checkpoint_exits_with_the_reason(root):
     model = write_config_checkpoint(root / "mixtral-serve", REFUSED["mixtral"][0])
     block = afd_block("attention", port=free_port())

@@ -59,6 +59,7 @@ def main() -> None:
                        max_num_batched_tokens=request.get("max_num_batched_tokens", 512),
                        max_num_seqs=request.get("max_num_seqs", 8), seed=0,
                        tensor_parallel_size=request.get("tensor_parallel_size", 1),
+                       pipeline_parallel_size=request.get("pipeline_parallel_size", 1),
                        load_format=request.get("load_format", "auto"), **kwargs)
     if request.get("config_only"):
         config = EngineArgs(**engine_args).create_engine_config()

@@ -127,7 +127,11 @@ class AFDConfigHook:
 def require_afd_model(vllm_config: Any, cfg: AFDConfig, architecture: str, wrapped: tuple[str, ...]) -> None:
     """The checkpoint's config is one the plugin serves (``moe_spec.spec_from_config``: the same
     answer the FFN servers and ``afdctl validate`` give), its architecture has an AFD wrapper,
-    and its routed experts split evenly over the FFN ranks."""
+    its routed experts split evenly over the FFN ranks, and the engine has no pipeline stages."""
+    pipeline = vllm_config.parallel_config.pipeline_parallel_size
+    if pipeline > 1:
+        raise ValueError(f"afd: pipeline parallel is not supported (--pipeline-parallel-size {pipeline}): the AFD "
+                         "world's ranks are data x tensor parallel Attention ranks, with no pipeline axis")
     spec = model_spec(vllm_config.model_config)
     if architecture not in wrapped:
         raise ValueError(f"afd: {vllm_config.model_config.model}: architecture {architecture} has no AFD model "

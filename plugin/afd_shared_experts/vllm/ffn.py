@@ -94,8 +94,9 @@ def init_vllm_process(vllm_config, device: torch.device) -> None:
     _rendezvous_dir = tempfile.TemporaryDirectory(prefix="afd-ffn-vllm-")
     rendezvous = Path(_rendezvous_dir.name) / "init"
     with set_current_vllm_config(vllm_config):
+        # vLLM's groups bind to the device of local_rank: the rank's own, not device 0.
         init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{rendezvous}",
-                                     local_rank=0, backend=current_platform.dist_backend)
+                                     local_rank=device.index or 0, backend=current_platform.dist_backend)
         initialize_model_parallel(1, 1)
     if ascend is not None:
         utils, forward_context = ascend
