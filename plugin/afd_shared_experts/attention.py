@@ -189,6 +189,14 @@ class RemoteMoE:
                               weights=topk_weights[:real].float().reshape(real, top_k), num_tokens=real,
                               total_rows=total_rows, local_shared=local_shared)
 
+    def abandon(self, pending: PendingCombine) -> None:
+        """Take a dispatch's replies off the links and free its frames, with no output: for a
+        dispatch whose step failed before its combine (ops.py)."""
+        ticket, frames = self.connector.receive_replies(pending.ticket.stage)
+        self.connector.release(frames)
+        if ticket != pending.ticket:
+            raise RuntimeError(f"abandon out of order: expected {pending.ticket}, the connector answered {ticket}")
+
     def combine(self, pending: PendingCombine) -> torch.Tensor:
         started = clocks() if self.trace is not None else None
         ticket, frames = self.connector.receive_replies(pending.ticket.stage)

@@ -252,6 +252,26 @@ def test_custom_ops_compile_whole_and_keep_dispatch_before_combine(checkpoints):
     assert served == 2 * 2 * 3  # each call dispatched once to each FFN rank
 
 
+def test_a_step_that_failed_between_dispatch_and_combine_leaves_nothing_behind(checkpoints, caplog):
+    """An exception after ``afd::dispatch`` and before its ``afd::combine`` (a failed step):
+    the next step's dispatch drains the abandoned one, and its outputs are its own."""
+    model_dir = checkpoints["deepseek_v3"]
+    spec = load_spec(model_dir)
+    with ThreadWorld(model_dir, 1, 2, placement="ffn") as world:
+        layer = spec.moe_layers[0]
+        moe = world.layers[0][layer]
+        name = f"failing.layers.{layer}"
+        ops.register_remote_moe(name, moe.remote)
+        first = torch.randn(6, spec.hidden_size, generator=torch.Generator().manual_seed(1))
+        torch.ops.afd.dispatch(first, list(route(spec, moe.gate, first)), name)  # the step then fails
+        for tokens in (3, 8):
+            x = torch.randn(tokens, spec.hidden_size, generator=torch.Generator().manual_seed(tokens))
+            assert torch.equal(ops.remote_moe(x, list(route(spec, moe.gate, x)), name), moe.forward(x))
+        assert world.attention_connectors[0].pending_dispatches() == 0
+        assert world.attention_connectors[0].sends_in_flight() == 0
+    assert f"afd: layer {name}: 1 dispatch(es) of a failed step were never combined" in caplog.text
+
+
 def test_custom_ops_have_shape_only_implementations():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
