@@ -14,7 +14,7 @@ Ordering and lifetime rules:
 1. A frame is read by its send in stream order (nccl/hccl order a send after the caller's
    current stream; staged copies wait on one event per batch) and is referenced by the
    connector until its send completed: never freed, reused or mutated in flight. Frame sets
-   come from a pool and go back once their combine released them and their sends completed.
+   come from a fixed pool (``frames.py``) and are written again only after their sends.
 2. A received frame is handed out only once its handle completed (gloo) or once the caller's
    current stream waits for it (nccl/hccl).
 3. Each link carries one pair's messages in post order, so the i-th reply receive posted to an
@@ -29,13 +29,14 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .config import DATA_PLANES, DEFAULT_RENDEZVOUS_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS, AFDConfig
 from .device import host_buffer, resolve_device, to_device, to_host
+from .frames import FramePool, FrameSet, pool_size
 from .errors import AFDError, ConnectorClosedError, DeviceUnavailableError, PairingError, PayloadError, PeerLostError
 from .metrics import RuntimeMetrics
 from .rendezvous import agree_on_world, open_store
@@ -45,19 +46,6 @@ from .wire import (BYTE_KINDS, KIND_SHUTDOWN, ROWS_FIELD, TAG_REPLY, TAG_WORK, D
                    StepCounter, WireLayout, WorkItem, check_stage, unpack_work)
 
 CPU = torch.device("cpu")
-
-
-@dataclass(eq=False)
-class FrameSet:
-    """One dispatch's buffers on the compute device: work frames [F, work_rows, H] (written by
-    the caller) and reply frames [F, reply_capacity, H]; under ``staged`` on an accelerator, their
-    pinned host twins."""
-
-    work: torch.Tensor
-    reply: torch.Tensor
-    work_host: torch.Tensor | None = None
-    reply_host: torch.Tensor | None = None
-    sends: InFlight = field(default_factory=InFlight)
 
 
 @dataclass(eq=False)
@@ -138,6 +126,7 @@ class P2PConnector(AFDConnector):
         metrics: RuntimeMetrics | None = None,
         transport_wrapper: Callable[[Transport], Transport] | None = None,
         link_transport: LinkTransportFactory | None = None,
+        frame_sets: int = pool_size(1),
     ):
         if role not in ("attention", "ffn"):
             raise ValueError(f"role must be attention or ffn (got {role!r})")
@@ -174,7 +163,8 @@ class P2PConnector(AFDConnector):
         self._heartbeat: Heartbeat | None = None
         self._seq = 0
         self._steps = StepCounter()
-        self._pool: deque[FrameSet] = deque()
+        self.frame_sets = frame_sets
+        self._pool: FramePool | None = None  # Attention side, made at init()
         self._pending: dict[int, deque[_Dispatch]] = {}
         # FFN side: per Attention rank, its posted work receive and the frames its items hold.
         self._work_recvs: dict[int, tuple[object, torch.Tensor]] = {}
@@ -198,7 +188,7 @@ class P2PConnector(AFDConnector):
                    num_ffn_ranks=cfg.num_ffn_ranks, host=cfg.host, port=cfg.port, layout=layout, device=device,
                    timeout_seconds=cfg.timeout_seconds, rendezvous_timeout_seconds=cfg.rendezvous_timeout_seconds,
                    data_plane=data_plane or cfg.data_plane, metrics=metrics, transport_wrapper=transport_wrapper,
-                   link_transport=link_transport)
+                   link_transport=link_transport, frame_sets=pool_size(cfg.num_stages))
 
     # ------------------------------------------------------------------ lifetime
     @property
@@ -245,10 +235,12 @@ class P2PConnector(AFDConnector):
                 self._held[source], self._free_work[source] = deque(), []
                 self._source_steps[source] = StepCounter()
                 self._post_work_recv(source)
-        elif self._links["reply"].on_stream:
-            # Its waits are on the device stream: the heartbeat thread watches the FFN ranks.
-            self._heartbeat.monitor(list(range(self.num_attention_ranks, self.world_size)), self._peer_name,
-                                    self._on_peer_lost)
+        else:
+            self._pool = FramePool(self.rank, self.frame_sets, self._new_frames)
+            if self._links["reply"].on_stream:
+                # Its waits are on the device stream: the heartbeat thread watches the FFN ranks.
+                self._heartbeat.monitor(list(range(self.num_attention_ranks, self.world_size)), self._peer_name,
+                                        self._on_peer_lost)
         self._initialized = True
 
     def _on_peer_lost(self, error: PeerLostError) -> None:
@@ -273,7 +265,7 @@ class P2PConnector(AFDConnector):
             link.stop(deadline)
         # Drop pending work and retained tensors (the process groups go with them). Fresh
         # containers, not clear(): a receiver blocked in another thread still iterates the old ones.
-        self._pending, self._pool, self._reply_flights, self._reply_frames = {}, deque(), deque(), []
+        self._pending, self._pool, self._reply_flights, self._reply_frames = {}, None, deque(), []
         self._work_recvs, self._held, self._free_work = {}, {}, {}
         self._links, self._groups = {}, []
         self._store = None
@@ -354,12 +346,7 @@ class P2PConnector(AFDConnector):
             self.metrics.sent_bytes.labels(kind=kind).inc(nbytes)
 
     # ------------------------------------------------------------------ Attention side
-    def acquire(self) -> FrameSet:
-        self._require_open("attention")
-        if self._pool and self._pool[0].sends.done():
-            frames = self._pool.popleft()
-            frames.sends = InFlight()
-            return frames
+    def _new_frames(self) -> FrameSet:
         layout, ranks = self.layout, self.num_ffn_ranks
         frames = FrameSet(work=layout.work_frames(ranks, self.device), reply=layout.reply_frames(ranks, self.device))
         if self._host_staging:
@@ -367,8 +354,20 @@ class P2PConnector(AFDConnector):
             frames.reply_host = host_buffer(frames.reply.shape, layout.dtype, self.device)
         return frames
 
+    def _after_sends(self, frames: FrameSet) -> None:
+        for handle in frames.sends.handles:
+            if isinstance(handle, StreamOrdered):
+                self._finish(handle, "work frame send", [handle.peer])  # the stream waits, the host does not
+            elif not handle.is_completed():  # gloo sends are answered by their replies, before release
+                raise PairingError(f"rank {self.rank}: a released frame set's send to {self._peer_name(handle.peer)} "
+                                   "is unanswered")
+
+    def acquire(self) -> FrameSet:
+        self._require_open("attention")
+        return self._pool.take(self._after_sends)
+
     def release(self, frames: FrameSet) -> None:
-        self._pool.append(frames)
+        self._pool.give_back(frames)
 
     def dispatch(self, layer: int, stage: int, frames: FrameSet, *, stages: int = 1) -> DispatchTicket:
         self._require_open("attention")
@@ -519,4 +518,4 @@ class P2PConnector(AFDConnector):
                 self._reply_frames.extend(flight.tensors)
 
     def sends_in_flight(self) -> int:
-        return len(self._reply_flights) + sum(not frames.sends.done() for frames in self._pool)
+        return len(self._reply_flights) + (self._pool.sends_in_flight() if self._pool is not None else 0)

@@ -16,6 +16,7 @@ from afd_devcluster import free_port
 from afd_devcluster.checkpoints import write_moe_checkpoint
 from afd_shared_experts.compute import route
 from afd_shared_experts.device import select_device
+from afd_shared_experts.errors import AFDError
 from afd_shared_experts.moe_spec import load_spec
 from afd_shared_experts.selfcheck import token_range
 from plugin_harness import ThreadWorld, assert_matches_oracle, make_connector, oracle_outputs, run_threads
@@ -270,6 +271,32 @@ def test_a_step_that_failed_between_dispatch_and_combine_leaves_nothing_behind(c
         assert world.attention_connectors[0].pending_dispatches() == 0
         assert world.attention_connectors[0].sends_in_flight() == 0
     assert f"afd: layer {name}: 1 dispatch(es) of a failed step were never combined" in caplog.text
+
+
+def test_the_frame_pool_is_made_once_and_never_grows(checkpoints):
+    """An Attention rank's frame sets are allocated at init (num_stages + spare) and reused
+    over 1,000 steps of two stages; a dispatch beyond the pool is refused, naming it."""
+    model_dir = checkpoints["deepseek_v2"]
+    spec = load_spec(model_dir)
+    with ThreadWorld(model_dir, 1, 1, placement="ffn") as world:
+        connector = world.attention_connectors[0]
+        initial = {id(frames) for frames in connector._pool._free}
+        assert len(initial) == connector.frame_sets == 3
+        moe = world.layers[0][spec.moe_layers[0]]
+        x = torch.randn(4, spec.hidden_size, generator=torch.Generator().manual_seed(0))
+        halves = [x[:2], x[2:]]
+        for _ in range(1000):
+            pending = [moe.remote.dispatch(half, *route(spec, moe.gate, half), stage=stage, stages=2)
+                       for stage, half in enumerate(halves)]
+            assert {id(p_) for p_ in connector._pool._free} < initial
+            outputs = [moe.remote.combine(p_) for p_ in pending]
+        torch.testing.assert_close(torch.cat(outputs), moe.forward(x))  # rows grouped 2+2 vs 4: rounding
+        assert {id(frames) for frames in connector._pool._free} == initial
+        held = [connector.acquire() for _ in range(3)]
+        with pytest.raises(AFDError, match=r"rank 0: all 3 frame sets hold dispatches not yet combined"):
+            connector.acquire()
+        for frames in held:
+            connector.release(frames)
 
 
 def test_custom_ops_have_shape_only_implementations():
