@@ -30,6 +30,7 @@ from vllm.model_executor.layers.fused_moe.router.router_factory import create_fu
 from ..attention import RemoteMoE
 from ..config import AFDConfig
 from ..connector import P2PConnector
+from ..device import current_device
 from ..metrics import RuntimeMetrics
 from ..model import SharedExpertWeights
 from ..moe_spec import MoESpec
@@ -75,8 +76,12 @@ class AttentionRank:
         # Frames sized for the engine's token budget (a TP rank dispatches its shard; a micro-batch holds less).
         layout = WireLayout.for_world(spec, cfg, dtype=vllm_config.model_config.dtype,
                                       token_budget=vllm_config.scheduler_config.max_num_batched_tokens)
+        # The worker selected its device before building the model: the connector's is that one,
+        # with its index (the device links' communicators bind to it).
+        device = torch.device(current_platform.device_type)
+        device = device if device.type == "cpu" else current_device(device)
         self.connector = P2PConnector.from_config(cfg, role="attention", rank=self.rank, layout=layout,
-                                                  device=current_platform.device_type, metrics=self.metrics)
+                                                  device=device, metrics=self.metrics)
         logger.info("AFD Attention rank %d of %d (+%d FFN ranks): rendezvous at %s:%d",
                     self.rank, cfg.num_attention_ranks, cfg.num_ffn_ranks, cfg.host, cfg.port)
         self.connector.init()
