@@ -64,6 +64,22 @@ MALFORMED = [
     ("spec.attention.engineArgs", ["--tensor-parallel-size=8"], "spec.attention.engineArgs[0]", "set by the operator"),
     ("spec.attention.engineArgs", ["--enforce-eager", "--shutdown-timeout", "0"], "spec.attention.engineArgs[1]",
      "'--shutdown-timeout' is set by the operator from termination.gracePeriodSeconds"),
+    # Every spelling vLLM's parser reads as an operator-owned flag: `_` for `-`, a prefix, a dotted
+    # key of a JSON flag, a config file.
+    ("spec.attention.engineArgs", ["--tensor_parallel_size=8"], "spec.attention.engineArgs[0]",
+     "'--tensor-parallel-size' is set by the operator from attention.tensorParallel ('--tensor_parallel_size' is read "
+     "by vLLM as '--tensor-parallel-size')"),
+    ("spec.attention.engineArgs", ["--enforce-eager", "--data_parallel_address", "10.0.0.1"],
+     "spec.attention.engineArgs[1]", "'--data-parallel-address' is set by the operator from connector"),
+    ("spec.attention.engineArgs", ["--additional-config.afd.host=10.0.0.1"], "spec.attention.engineArgs[0]",
+     "'--additional-config' is set by the operator from connector and sharedExperts ('--additional-config.afd.host' "
+     "is read by vLLM as '--additional-config')"),
+    ("spec.attention.engineArgs", ["--config", "x.yaml"], "spec.attention.engineArgs[0]",
+     "'--config' is refused: a config file could set the operator's flags; give its flags in engineArgs"),
+    ("spec.attention.engineArgs", ["--tensor-parallel", "8"], "spec.attention.engineArgs[0]",
+     "('--tensor-parallel' is read by vLLM as '--tensor-parallel-size')"),
+    ("spec.attention.engineArgs", ["--max_model_len=4096"], "spec.attention.engineArgs[0]",
+     "'--max-model-len' is set by the operator from model.maxModelLen"),
     ("spec.attention.engineArgs", ["--pipeline-parallel-size", "2"], "spec.attention.engineArgs",
      "pipeline parallel is not supported (--pipeline-parallel-size 2): the AFD world's Attention ranks are data x "
      "tensor parallel, with no pipeline axis"),
@@ -181,6 +197,13 @@ def test_head_only_engine_flags_only_when_all_attention_ranks_share_one_pod() ->
     assert [str(p) for p in problems] == [
         "spec.attention.engineArgs[1]: '--api-server-count' is refused by vLLM on headless Attention pods (these "
         "ranks span 2 pods and engineArgs go to every one); allowed only when all Attention ranks fit in one pod"]
+
+
+def test_engine_flags_the_operator_does_not_own_pass_in_any_spelling() -> None:
+    args = ["--enforce-eager", "--max_num_seqs=8", "--model-impl", "vllm", "--compilation-config.level=0",
+            "--gpu-memory-utilization", "0.9", "--seed", "-1", "--api_server_count=1"]
+    obj, problems = validate_object(with_change("spec.attention.engineArgs", args))
+    assert obj is not None and problems == []
 
 
 def test_cross_field_problems_reported_together() -> None:

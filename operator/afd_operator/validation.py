@@ -24,7 +24,7 @@ from .api import (MAX_REPLICAS, MAX_ROLE_RANKS, RESOURCE_NAMES, AFDDeployment, A
                   PodTemplateOverrides, ResourceRequirements)
 from .kube_rules import quantity_value
 from .planner import (ASCEND_HOST_VOLUME, HCCN_VOLUME, MODEL_VOLUME, attention_layout, attention_pipeline_parallel,
-                      ffn_layout, instance_frame, instance_ports, operator_mounts, role_configs, rollout_budget,
+                      engine_flag, expands_to, ffn_layout, instance_frame, instance_ports, operator_mounts, role_configs, rollout_budget,
                       spec_stage_limit, uses_host_network)
 from .policy import UNCHECKED_HOST_ACCESS, ClusterPolicy, HostAccess, under
 from .problems import Problem, check_shape, pydantic_problems
@@ -68,6 +68,8 @@ OPERATOR_OWNED_FLAGS = {
     "--quantization": "model.quantization",
     "--shutdown-timeout": "termination.gracePeriodSeconds",
 }
+# Refused whatever their value: a config file's keys are engine flags, so it could set any of the above.
+REFUSED_FLAGS = {"--config": "a config file could set the operator's flags; give its flags in engineArgs"}
 # vLLM refuses these on headless pods (it starts no API server there) and exits at start.
 HEAD_ONLY_FLAGS = ("--api-server-count", "-asc")
 
@@ -196,13 +198,17 @@ def _check_engine_args(spec: AFDDeploymentSpec) -> list[Problem]:
     problems = []
     attention_pods = attention_layout(spec).pods
     for i, arg in enumerate(spec.attention.engine_args):
-        flag = arg.split("=", 1)[0]
-        if flag in OPERATOR_OWNED_FLAGS:
-            problems.append(Problem(
-                f"spec.attention.engineArgs[{i}]",
-                f"'{flag}' is set by the operator from {OPERATOR_OWNED_FLAGS[flag]}",
-            ))
-        elif flag in HEAD_ONLY_FLAGS and attention_pods > 1:
+        flag = engine_flag(arg)
+        if flag is None:
+            continue
+        owned = expands_to(flag, [*OPERATOR_OWNED_FLAGS, *REFUSED_FLAGS])
+        if owned is not None:
+            given = arg.partition("=")[0]
+            as_read = "" if given == owned else f" ('{given}' is read by vLLM as '{owned}')"
+            rule = f"is set by the operator from {OPERATOR_OWNED_FLAGS[owned]}" if owned in OPERATOR_OWNED_FLAGS \
+                else f"is refused: {REFUSED_FLAGS[owned]}"
+            problems.append(Problem(f"spec.attention.engineArgs[{i}]", f"'{owned}' {rule}{as_read}"))
+        elif expands_to(flag, HEAD_ONLY_FLAGS) and attention_pods > 1:
             problems.append(Problem(
                 f"spec.attention.engineArgs[{i}]",
                 f"'{flag}' is refused by vLLM on headless Attention pods (these ranks span {attention_pods} "
