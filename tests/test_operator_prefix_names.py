@@ -77,3 +77,42 @@ def test_prefix_named_deployments_never_touch_each_others_pods(env: Env) -> None
             wait_for(lambda: env.get(name) is None, f"{name} torn down", CONVERGE_SECONDS)
     assert env.owned() == {"pods": [], "services": [], "configmaps": [], "guards": []}
     assert ledger.events > 0
+
+
+def test_a_name_held_by_another_owner_is_a_name_conflict_never_adopted_or_deleted(env: Env) -> None:
+    """A deployment named like another's instance renders its API Service under that instance
+    Service's name; a Service made in advance under a deployment's API Service name, with the
+    operator's labels copied onto it. Neither is adopted, changed or deleted: the deployment
+    that wants the name gets a NameConflict condition naming the holder."""
+    env.create("tc", base_spec())
+    revision = env.wait_ready("tc", 1)["status"]["updateRevision"]
+    instance = naming.instance_name("tc", revision, 0)
+    held = env.core.read_namespaced_service(instance, env.ns)
+    tc_uid = env.get("tc")["metadata"]["uid"]
+    env.create(instance, base_spec())
+    conflict = wait_for(lambda: env.condition(instance, "NameConflict"), f"{instance} NameConflict", CONVERGE_SECONDS)
+    assert conflict["status"] == "True" and conflict["reason"] == "NameConflict"
+    assert conflict["message"].startswith(f"Service {instance} exists and is controlled by AFDDeployment tc "
+                                          f"(uid {tc_uid}), not by this AFDDeployment")
+    after = env.core.read_namespaced_service(instance, env.ns)
+    assert after.metadata.owner_references[0].uid == tc_uid and after.spec.selector == held.spec.selector
+    assert any(event.startswith("NameConflict: ") for event in env.events(instance))
+
+    squatter = "sq"
+    env.core.create_namespaced_service(env.ns, {
+        "metadata": {"name": naming.api_service_name(squatter),
+                     "labels": {naming.LABEL_MANAGED_BY: naming.MANAGER, naming.LABEL_DEPLOYMENT: squatter}},
+        "spec": {"ports": [{"port": 80}], "selector": {"app": "elsewhere"}}})
+    env.create(squatter, base_spec())
+    conflict = wait_for(lambda: env.condition(squatter, "NameConflict"), "sq NameConflict", CONVERGE_SECONDS)
+    assert conflict["message"].startswith(f"Service {squatter} exists and is controlled by nothing (no controller "
+                                          "reference)")
+    assert env.core.read_namespaced_service(squatter, env.ns).spec.selector == {"app": "elsewhere"}
+    env.cluster.kubectl("delete", "service", squatter, "-n", env.ns)
+    env.wait_ready(squatter, 1)  # the name is free: the deployment makes its own Service
+    assert env.condition(squatter, "NameConflict") is None
+
+    for name in ("tc", instance, squatter):
+        env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, name)
+    for name in ("tc", instance, squatter):
+        wait_for(lambda: env.get(name) is None, f"{name} torn down", CONVERGE_SECONDS)

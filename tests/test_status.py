@@ -18,12 +18,13 @@ from afd_operator.policy import NetworkIsolation
 from afd_operator.revision import revision_of
 from afd_operator.status import build_status, invalid_status, write_failed_status
 from afd_operator.problems import Problem
-from afd_operator.writer import ApiWriteError
+from afd_operator.writer import ApiWriteError, NameConflictError
 
 NOW = 1_000_000.0
 SPEC = AFDDeploymentSpec.model_validate({"image": "img:v1", "platform": "cpu", "model": {"name": "m", "path": "/m"}})
 REVISION = revision_of(SPEC)
 REFUSED = ApiWriteError("create", "Pod", "d-x-0-ffn-0", 403, "Forbidden", "exceeded quota")
+SQUATTED = NameConflictError("Service", "d", "nothing (no controller reference)")
 INVALID = [Problem("spec.replicas", "must be at least 0")]
 
 
@@ -48,7 +49,8 @@ def every_kind_of_status() -> list[dict[str, Any]]:
     statuses = [built(d, network=n) for d in (READY, FAILING, Decision())
                 for n in (NetworkIsolation(), NetworkIsolation(enabled=False))]
     return statuses + [invalid_status(INVALID, statuses[0], 8, NOW), invalid_status(INVALID, None, 8, NOW),
-                       write_failed_status(REFUSED, statuses[0], 7, NOW), write_failed_status(REFUSED, None, 7, NOW)]
+                       write_failed_status(REFUSED, statuses[0], 7, NOW), write_failed_status(REFUSED, None, 7, NOW),
+                       write_failed_status(SQUATTED, None, 7, NOW)]
 
 
 def conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -75,6 +77,14 @@ def test_a_condition_type_outside_the_enum_is_never_written(monkeypatch: pytest.
     monkeypatch.setattr(status_module, "ConditionType", SimpleNamespace(**{**types, "API_WRITE_FAILED": "WriteFailed"}))
     with pytest.raises(ValidationError, match="WriteFailed"):
         write_failed_status(REFUSED, None, 7, NOW)
+
+
+def test_a_name_conflict_names_the_object_and_its_holder() -> None:
+    (condition,) = write_failed_status(SQUATTED, None, 7, NOW)["conditions"]
+    assert (condition["type"], condition["status"], condition["reason"]) == ("NameConflict", "True", "NameConflict")
+    assert condition["message"] == ("Service d exists and is controlled by nothing (no controller reference), not by "
+                                    "this AFDDeployment: the operator neither adopts nor deletes it; rename this "
+                                    "AFDDeployment or remove that object")
 
 
 def test_a_status_that_stands_keeps_exactly_its_keys() -> None:

@@ -411,6 +411,7 @@ class ConditionType(str, Enum):
     CONFIG_VALID = "ConfigValid"
     NETWORK_ISOLATED = "NetworkIsolated"
     API_WRITE_FAILED = "ApiWriteFailed"  # present only while the API refuses a write
+    NAME_CONFLICT = "NameConflict"  # present only while a child's name is held by an object it does not control
 
 
 class Condition(StatusModel):

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional
 from afd_shared_experts.config import REFUSAL_MARKER
 
 from . import naming
+from .api import MAX_ROLE_RANKS
 
 def parse_time(value: Optional[str]) -> Optional[float]:
     if not value:
@@ -46,6 +47,7 @@ class ObservedPod:
     unschedulable: Optional[str]  # the scheduler's message while Pending
     pod_ip: Optional[str] = None
     api_port: Optional[int] = None  # the container port named "api" (Attention heads)
+    owner_uid: Optional[str] = None  # the uid of its controller (ownerReferences), None without one
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,8 @@ class ObservedObject:
     kind: str
     name: str
     labels: Mapping[str, str]
-    spec: Mapping[str, Any]  # Services: spec; ConfigMaps: the revision's plan summary
+    spec: Mapping[str, Any]  # Services: spec; ConfigMaps: the revision's plan summary ({} when unreadable)
+    owner_uid: Optional[str] = None  # the uid of its controller (ownerReferences), None without one
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,24 @@ class Observed:
     objects: tuple[ObservedObject, ...]  # Services and ConfigMaps
     # Pods the API Service's EndpointSlices still list: requests may still be routed to them.
     routed: frozenset[str] = frozenset()
+
+
+def controller_uid(meta: Mapping[str, Any]) -> Optional[str]:
+    """The uid of an object's controller (its ownerReference marked controller), or None."""
+    for reference in meta.get("ownerReferences") or ():
+        if isinstance(reference, Mapping) and reference.get("controller") is True:
+            uid = reference.get("uid")
+            return uid if isinstance(uid, str) else None
+    return None
+
+
+def owned_by(observed: Observed, uid: str) -> Observed:
+    """The children a deployment controls: labels are only where the watch looks (anyone who may
+    create a pod or a ConfigMap can copy them); the controller reference names the deployment by
+    uid. Anything else is never adopted, changed or deleted: a create under its name is
+    refused as a name conflict (writer.NameConflictError)."""
+    return Observed(pods=tuple(p for p in observed.pods if p.owner_uid == uid),
+                    objects=tuple(o for o in observed.objects if o.owner_uid == uid), routed=observed.routed)
 
 
 def _condition(status: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
@@ -149,6 +170,7 @@ def summarize_pod(body: Mapping[str, Any], created_at: Optional[float] = None) -
         unschedulable=scheduled.get("message") if scheduled.get("reason") == "Unschedulable" else None,
         pod_ip=status.get("podIP"),
         api_port=_named_port(spec, "api"),
+        owner_uid=controller_uid(meta),
     )
 
 
@@ -156,14 +178,35 @@ def summarize_object(kind: str, body: Mapping[str, Any]) -> ObservedObject:
     """The controller's view of an owned Service (its spec) or ConfigMap (its plan summary).
     The kind is an argument: objects of a list response carry none."""
     meta = body["metadata"]
-    if kind == "ConfigMap":
-        try:
-            spec = json.loads((body.get("data") or {}).get("plan.json") or "{}")
-        except ValueError:
-            spec = {}
-    else:
-        spec = dict(body.get("spec") or {})
-    return ObservedObject(kind=kind, name=meta["name"], labels=dict(meta.get("labels") or {}), spec=spec)
+    spec = plan_summary(body.get("data")) if kind == "ConfigMap" else dict(body.get("spec") or {})
+    return ObservedObject(kind=kind, name=meta["name"], labels=dict(meta.get("labels") or {}), spec=spec,
+                          owner_uid=controller_uid(meta))
+
+
+# What the operator writes into a snapshot's plan.json (render.render_runtime_configmap) is a few
+# hundred bytes; its pod counts are bounded like the spec's ranks.
+MAX_PLAN_SUMMARY_BYTES = 4096
+PLAN_POD_COUNTS = ("attentionPods", "ffnPods")
+
+
+def plan_summary(data: Any) -> dict[str, Any]:
+    """A snapshot ConfigMap's plan summary, read as strictly as it was written: a JSON object of at
+    most MAX_PLAN_SUMMARY_BYTES whose pod counts are integers in [1, MAX_ROLE_RANKS]; {} for
+    anything else (the controller then counts the pods that exist), never an exception."""
+    text = data.get("plan.json") if isinstance(data, Mapping) else None
+    if not isinstance(text, str) or len(text) > MAX_PLAN_SUMMARY_BYTES:
+        return {}
+    try:
+        summary = json.loads(text)
+    except ValueError:
+        return {}
+    if not isinstance(summary, dict):
+        return {}
+    for key in PLAN_POD_COUNTS:
+        value = summary.get(key)
+        if type(value) is not int or not 1 <= value <= MAX_ROLE_RANKS:
+            return {}
+    return summary
 
 
 def endpoint_pods(body: Mapping[str, Any]) -> frozenset[str]:

@@ -26,6 +26,7 @@ from typing import Iterable, Literal, Optional, Union
 from afd_shared_experts.config import AFDConfig, MinSplitTokens, SharedExpertsConfig, stage_limit
 
 from . import naming
+from .engine_args import flag_values
 from .api import DEFAULT_STAGES, HCCN_CONF, AFDDeploymentSpec, ResourceRequirements
 from .kube_rules import quantity_value
 from .revision import revision_of
@@ -166,45 +167,6 @@ class Plan:
         return self.attention.pods + self.ffn.pods
 
 
-def engine_flag(arg: str) -> Optional[str]:
-    """The flag an engine argument names as vLLM's parser (FlexibleArgumentParser) reads it: in a
-    long flag, `_` as `-` and the name before a dot (`--additional-config.afd.host` sets
-    `--additional-config`) or `=`; None for a value (negative numbers included)."""
-    if arg.startswith("--") and len(arg) > 2:
-        return "--" + arg[2:].partition("=")[0].partition(".")[0].replace("_", "-")
-    if arg.startswith("-") and len(arg) > 1 and not arg[1].isdigit() and arg[1] != ".":
-        return arg.partition("=")[0]
-    return None
-
-
-def expands_to(flag: str, known: Iterable[str]) -> Optional[str]:
-    """The flag of ``known`` that ``flag`` sets: itself, or the first one it is a prefix of (Python's
-    argparse, which vLLM's parser is, expands an unambiguous prefix of a long flag)."""
-    known = list(known)
-    if flag in known:
-        return flag
-    if flag.startswith("--"):
-        return next((name for name in known if name.startswith("--") and name.startswith(flag)), None)
-    return None
-
-
-def _flag_values(args: Iterable[str]) -> dict[str, Optional[str]]:
-    """Engine arguments by flag (as vLLM reads it: ``engine_flag``): `--flag=value`, `--flag
-    value`, or a bare `--flag` (None)."""
-    args = list(args)
-    values: dict[str, Optional[str]] = {}
-    for i, arg in enumerate(args):
-        name = engine_flag(arg)
-        if name is None:
-            continue
-        _, equals, value = arg.partition("=")
-        flag = name
-        following = args[i + 1] if i + 1 < len(args) else None
-        values[flag] = value if equals else (following if following is not None and not following.startswith("-")
-                                             else None)
-    return values
-
-
 def _int_flag(values: dict[str, Optional[str]], *flags: str, default: int) -> int:
     for flag in flags:
         if flag in values:
@@ -217,12 +179,12 @@ def _int_flag(values: dict[str, Optional[str]], *flags: str, default: int) -> in
 
 def attention_pipeline_parallel(spec: AFDDeploymentSpec) -> int:
     """The Attention engines' --pipeline-parallel-size (1 unless engineArgs set it)."""
-    return _int_flag(_flag_values(spec.attention.engine_args), "--pipeline-parallel-size", "-pp", default=1)
+    return _int_flag(flag_values(spec.attention.engine_args), "--pipeline-parallel-size", "-pp", default=1)
 
 
 def spec_stage_limit(spec: AFDDeploymentSpec) -> tuple[int, str]:
     """The plugin's stage rule (`stage_limit`) for the Attention engines this spec renders."""
-    values = _flag_values(spec.attention.engine_args)
+    values = flag_values(spec.attention.engine_args)
     worker_cls = values.get("--worker-cls", "auto")
     return stage_limit(
         platform=spec.platform,

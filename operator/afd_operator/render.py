@@ -353,6 +353,9 @@ def render_runtime_configmap(plan: Plan, owner: Optional[Obj] = None) -> Obj:
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": _meta(naming.runtime_configmap_name(plan.name, plan.revision), plan.namespace, labels, owner),
         "data": {"plan.json": json.dumps(summary, sort_keys=True)},
+        # One revision's facts: written once, never changed (a tenant who may edit ConfigMaps
+        # cannot rewrite it in place; observe.plan_summary reads a recreated one strictly).
+        "immutable": True,
     }
 
 

@@ -22,7 +22,7 @@ from .observe import ObservedPod, format_time, parse_time
 from .planner import rollout_budget, topology_string, uses_host_network
 from .policy import NetworkIsolation
 from .problems import Problem
-from .writer import ApiWriteError
+from .writer import ApiWriteError, NameConflictError
 
 
 def records_from_status(status: Optional[Mapping[str, Any]]) -> list[InstanceRecord]:
@@ -191,7 +191,10 @@ def invalid_status(problems: list[Problem], previous: Optional[Mapping[str, Any]
 
 
 def write_failure_reason(err: ApiWriteError) -> str:
-    """One CamelCase word naming the verb, the kind and the API's reason: CreatePodForbidden."""
+    """One CamelCase word naming the verb, the kind and the API's reason: CreatePodForbidden;
+    NameConflict for a name held by an object the deployment does not control."""
+    if isinstance(err, NameConflictError):
+        return "NameConflict"
     return f"{err.verb.capitalize()}{err.kind.split('/')[0]}{err.reason}"
 
 
@@ -200,5 +203,6 @@ def write_failed_status(err: ApiWriteError, previous: Optional[Mapping[str, Any]
     """A refused write: the previous status stands (the decision was not carried out), and
     ApiWriteFailed (True) says what the API refused; the next reconciliation retries, and
     build_status, which the first one whose writes all succeed reports, has no such condition."""
-    return _wire(_with_condition(previous, ConditionType.API_WRITE_FAILED, True, write_failure_reason(err), str(err),
-                                 generation, now))
+    kind = ConditionType.NAME_CONFLICT if isinstance(err, NameConflictError) else ConditionType.API_WRITE_FAILED
+    message = err.message if isinstance(err, NameConflictError) else str(err)
+    return _wire(_with_condition(previous, kind, True, write_failure_reason(err), message, generation, now))

@@ -23,8 +23,9 @@ from . import kube_rules, naming
 from .api import (MAX_REPLICAS, MAX_ROLE_RANKS, RESOURCE_NAMES, AFDDeployment, AFDDeploymentSpec, EnvVar,
                   PodTemplateOverrides, ResourceRequirements)
 from .kube_rules import quantity_value
+from .engine_args import engine_flag, expands_to
 from .planner import (ASCEND_HOST_VOLUME, HCCN_VOLUME, MODEL_VOLUME, attention_layout, attention_pipeline_parallel,
-                      engine_flag, expands_to, ffn_layout, instance_frame, instance_ports, operator_mounts, role_configs, rollout_budget,
+                      ffn_layout, instance_frame, instance_ports, operator_mounts, role_configs, rollout_budget,
                       spec_stage_limit, uses_host_network)
 from .policy import UNCHECKED_HOST_ACCESS, ClusterPolicy, HostAccess, under
 from .problems import Problem, check_shape, pydantic_problems

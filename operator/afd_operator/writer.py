@@ -1,8 +1,10 @@
 """The one place where the operator writes to the Kubernetes API.
 
 Every create/patch/delete goes through `Writer`, which counts it by verb and kind, treats
-"already exists" / "already gone" as success (a restarted operator adopts what exists),
-raises `ApiWriteError` (verb, kind, name and the API's own status) for any other refusal,
+"already gone" as success, and "already exists" as success only when the deployment that is
+creating it controls the existing object (a restarted operator finds what it made; anything
+else raises `NameConflictError`, naming the holder), raises `ApiWriteError` (verb, kind, name
+and the API's own status) for any other refusal,
 and maps `policy/v1` PodDisruptionBudgets to `policy/v1beta1` on servers older than 1.21.
 """
 
@@ -51,6 +53,20 @@ class ApiWriteError(Exception):
             status = {}
         reason = status.get("reason") or (err.reason or "Unknown").replace(" ", "")
         return cls(verb, kind, name, int(err.status or 0), reason, status.get("message") or str(err.reason or ""))
+
+
+class NameConflictError(ApiWriteError):
+    """A child's name is held by an object its deployment does not control."""
+
+    def __init__(self, kind: str, name: str, holder: str):
+        self.holder = holder
+        super().__init__("create", kind, name, 409, "NameConflict",
+                         f"{kind} {name} exists and is controlled by {holder}, not by this AFDDeployment: the "
+                         "operator neither adopts nor deletes it; rename this AFDDeployment or remove that object")
+
+
+def _controller(meta: Mapping[str, Any]) -> Optional[Mapping[str, Any]]:
+    return next((ref for ref in meta.get("ownerReferences") or () if ref.get("controller") is True), None)
 
 
 class Writer:
@@ -102,9 +118,24 @@ class Writer:
             self._resource(version, obj["kind"]).create(body=body, namespace=obj["metadata"].get("namespace"),
                                                         serialize=False).data
         except ConflictError:
-            log.debug("%s %s already exists", obj["kind"], obj["metadata"]["name"])
+            self._check_holder(obj, version)
         except ApiException as err:
             raise ApiWriteError.from_api("create", obj["kind"], obj["metadata"]["name"], err) from err
+
+    def _check_holder(self, obj: Mapping[str, Any], version: str) -> None:
+        """An object of the created one's name exists: fine if the same controller holds it."""
+        meta = obj["metadata"]
+        wanted = _controller(meta)
+        existing = self.get(version, obj["kind"], meta.get("namespace"), meta["name"])
+        if wanted is None or existing is None:  # no owner to compare, or gone since: the next round sees it
+            return
+        held = _controller(existing.get("metadata") or {})
+        if held is not None and held.get("uid") == wanted.get("uid"):
+            log.debug("%s %s already exists", obj["kind"], meta["name"])
+            return
+        holder = "nothing (no controller reference)" if held is None else \
+            f"{held.get('kind')} {held.get('name')} (uid {held.get('uid')})"
+        raise NameConflictError(obj["kind"], meta["name"], holder)
 
     def create_all(self, objs: Sequence[Mapping[str, Any]], on_created: Callable[[Mapping[str, Any]], None]) -> None:
         """Create `objs` concurrently, at most CREATE_CONCURRENCY at a time, calling

@@ -12,20 +12,21 @@ from typing import Any
 import kopf
 
 from ..api import GROUP, PLURAL, VERSION
-from ..observe import Observed
+from ..observe import Observed, owned_by
 
 log = logging.getLogger(__name__)
 ERROR_RETRY_SECONDS = 2.0
 
 
-def _observed(namespace: str, name: str, indexes: dict[str, Any]) -> Observed:
-    """The deployment's children in kopf's indexes (the handlers' keyword arguments)."""
+def _observed(namespace: str, name: str, uid: str, indexes: dict[str, Any]) -> Observed:
+    """The deployment's children in kopf's indexes (the handlers' keyword arguments): those its
+    labels find and its uid controls."""
     key = (namespace, name)
-    return Observed(
+    return owned_by(Observed(
         pods=tuple(indexes["afd_pods"].get(key, ())),
         objects=tuple(obj for index in OBJECT_INDEXES for obj in indexes[index].get(key, ())),
         routed=frozenset().union(*indexes["afd_routed_pods"].get(key, ())),
-    )
+    ), uid)
 
 
 # The kopf indexes (handlers/children.py) of the owned objects the managers diff against.
@@ -60,7 +61,7 @@ async def reconcile_loop(stopped: kopf.DaemonStopped, body: kopf.Body, namespace
         delay = memo.resync_seconds
         try:
             async with memo.wakeups.lock(namespace, name):
-                result = await _reconcile(memo, body, _observed(namespace, name, kwargs))
+                result = await _reconcile(memo, body, _observed(namespace, name, body.metadata.uid, kwargs))
             if result.next_wakeup is not None:
                 delay = min(delay, max(result.next_wakeup - time.time(), 0.05))
         except Exception:
@@ -72,7 +73,7 @@ async def reconcile_loop(stopped: kopf.DaemonStopped, body: kopf.Body, namespace
 @kopf.on.delete(GROUP, VERSION, PLURAL)
 async def tear_down(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
     async with memo.wakeups.lock(namespace, name):
-        result = await _reconcile(memo, body, _observed(namespace, name, kwargs), deleting=True)
+        result = await _reconcile(memo, body, _observed(namespace, name, body.metadata.uid, kwargs), deleting=True)
     if not result.finished:
         delay = memo.resync_seconds if result.next_wakeup is None else max(result.next_wakeup - time.time(), 0.2)
         raise kopf.TemporaryError("draining instances before removing the finalizer", delay=min(delay, 5.0))

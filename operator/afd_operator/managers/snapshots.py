@@ -15,7 +15,7 @@ from . import Round
 def layouts(observed: Observed) -> dict[str, Mapping[str, int]]:
     """Pods per role of every revision that still has a snapshot."""
     return {o.labels.get(naming.LABEL_REVISION, ""): {"ffn": o.spec["ffnPods"], "attention": o.spec["attentionPods"]}
-            for o in observed.objects if o.kind == "ConfigMap" and "ffnPods" in o.spec}
+            for o in observed.objects if o.kind == "ConfigMap" and o.spec}
 
 
 class SnapshotManager:
