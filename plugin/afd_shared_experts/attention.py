@@ -41,9 +41,11 @@ class RemoteMoE:
     without a shared expert runs under placement 'none': routed rows only, whatever was asked.
 
     Dispatch and combine are tensor operations on the input's device with shapes that depend
-    only on the token count: no host sync and no data-dependent shape, so they run under a
-    captured graph or torch.compile's tracing (the row counts reach the FFN side inside the
-    frames' headers, written on the device).
+    only on the token count: no host sync and no data-dependent shape (the row counts reach the
+    FFN side inside the frames' headers, written on the device). torch.compile traces them
+    whole (tested on the CPU); a captured CUDA/ACL graph would replay their kernels without
+    their host-side work (the frame pool, the posts), so no graph capture of them is claimed or
+    run: AFD engines run eager off the CPU (docs/compat.md, "Graph modes").
     """
 
     def __init__(

@@ -1,13 +1,15 @@
 """The remote MoE as two torch custom ops, ``afd::dispatch`` and ``afd::combine``.
 
 A model calls ``dispatch`` then ``combine`` where its MoE layer would call its experts;
-torch.compile and graph capture see two opaque calls with fake implementations (shapes only),
+torch.compile sees two opaque calls with fake implementations (shapes only),
 ordered by the token tensor that ``dispatch`` returns and ``combine`` takes. The real
 implementations look the layer up by name (``register``) and run its ``dispatch`` /
 ``combine`` (``attention.RemoteMoE``, or the vLLM glue's layer, which routes, shards for TP,
 hands the Attention side to the next micro-batch and gathers), keeping each pending combine
-per (layer, stage) in order. They run as Python at run time whether the caller is eager,
-compiled or a captured graph's capture. Torch only: no vLLM import.
+per (layer, stage) in order. They run as Python at run time whether the caller is eager or
+compiled; they keep Python state (the pending FIFOs, the connector's counters and frame pool)
+that a replayed CUDA/ACL graph would skip, so they are not for graph capture (AFD engines run
+eager off the CPU: docs/compat.md, "Graph modes"). Torch only: no vLLM import.
 """
 
 from __future__ import annotations
