@@ -5,6 +5,7 @@ wire order; frames every rank agrees on; each rank process on its own device."""
 
 import threading
 from collections import Counter
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -229,18 +230,23 @@ def test_each_rank_process_selects_its_own_device(monkeypatch):
     assert selected == [1, 3]
 
 
+@contextmanager
+def one_registered_layer(model_dir, prefix: str):
+    """(spec, world, layer, name): a 1 Attention x 2 FFN world whose first MoE layer the custom
+    ops call as ``{prefix}.layers.{layer}``."""
+    spec = load_spec(model_dir)
+    with ThreadWorld(model_dir, 1, 2, placement="ffn") as world:
+        layer = spec.moe_layers[0]
+        name = f"{prefix}.layers.{layer}"
+        ops.register_remote_moe(name, world.layers[0][layer].remote)
+        yield spec, world, world.layers[0][layer], name
+
+
 def test_custom_ops_compile_whole_and_keep_dispatch_before_combine(checkpoints):
     """``afd::dispatch`` / ``afd::combine`` in a function torch.compile traces whole
     (fullgraph: no graph break, so no host read in the traced part), on real ranks: the
     compiled layer gives the eager layer's outputs, stage by stage."""
-    model_dir = checkpoints["qwen2_moe"]
-    spec = load_spec(model_dir)
-    with ThreadWorld(model_dir, 1, 2, placement="ffn") as world:
-        layer = spec.moe_layers[0]
-        moe = world.layers[0][layer]
-        name = f"test.layers.{layer}"
-        ops.register_remote_moe(name, moe.remote)
-
+    with one_registered_layer(checkpoints["qwen2_moe"], "test") as (spec, world, moe, name):
         def forward(x):
             ids, weights = route(spec, moe.gate, x)
             return ops.remote_moe(x, [ids, weights], name) * 2
@@ -256,13 +262,7 @@ def test_custom_ops_compile_whole_and_keep_dispatch_before_combine(checkpoints):
 def test_a_step_that_failed_between_dispatch_and_combine_leaves_nothing_behind(checkpoints, caplog):
     """An exception after ``afd::dispatch`` and before its ``afd::combine`` (a failed step):
     the next step's dispatch drains the abandoned one, and its outputs are its own."""
-    model_dir = checkpoints["deepseek_v3"]
-    spec = load_spec(model_dir)
-    with ThreadWorld(model_dir, 1, 2, placement="ffn") as world:
-        layer = spec.moe_layers[0]
-        moe = world.layers[0][layer]
-        name = f"failing.layers.{layer}"
-        ops.register_remote_moe(name, moe.remote)
+    with one_registered_layer(checkpoints["deepseek_v3"], "failing") as (spec, world, moe, name):
         first = torch.randn(6, spec.hidden_size, generator=torch.Generator().manual_seed(1))
         torch.ops.afd.dispatch(first, list(route(spec, moe.gate, first)), name)  # the step then fails
         for tokens in (3, 8):
