@@ -142,6 +142,31 @@ def test_afdctl_checks_host_access_against_a_values_file(tmp_path: Path, example
     assert "hostAccess.hostNetwork: Input should be a valid boolean" in err.getvalue()
 
 
+@pytest.mark.parametrize("content, line", [
+    (b"hostAccess:\n  hostNetwork: false\n  hostNetwork: true\n",
+     "hostAccess.hostNetwork: duplicate key (lines 2 and 3); each key may be given once"),
+    (b"\x00" * 16, "<yaml>: unacceptable character #x0000: special characters are not allowed in \"<unicode string>\", "
+                    "position 0"),
+    (b"a: 1\n---\nb: 2\n", "holds 2 YAML documents; chart values are one"),
+])
+def test_a_policy_file_is_read_as_strictly_as_a_spec_with_one_line(tmp_path: Path, examples: list[Path],
+                                                                   content: bytes, line: str) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_bytes(content)
+    cpu_tiny = str(next(p for p in examples if p.name == "cpu-tiny.yaml"))
+    out, err = io.StringIO(), io.StringIO()
+    assert main(["validate", "-f", cpu_tiny, "--policy", str(values)], out=out, err=err) == 2
+    assert err.getvalue() == f"afdctl: --policy {values}: {line}\n"
+
+
+def test_a_policy_path_that_never_ends_is_refused_by_size(examples: list[Path]) -> None:
+    cpu_tiny = str(next(p for p in examples if p.name == "cpu-tiny.yaml"))
+    out, err = io.StringIO(), io.StringIO()
+    assert main(["validate", "-f", cpu_tiny, "--policy", "/dev/zero"], out=out, err=err) == 2
+    assert err.getvalue() == ("afdctl: --policy /dev/zero: <file>: larger than 3145728 bytes (the API server's "
+                              "request limit)\n")
+
+
 def test_the_operator_refuses_to_start_on_a_bad_policy(tmp_path: Path) -> None:
     bad = tmp_path / "values.yaml"
     bad.write_text(json.dumps({"networkPolicy": {"metricsFrom": [{"podSelector": {"matchLabels": {"a b": "x"}}}]}}))

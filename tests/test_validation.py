@@ -39,6 +39,8 @@ MALFORMED = [
     ("spec.replicas", "two", "spec.replicas", "integer"),
     ("spec.image", DELETE, "spec.image", "required"),
     ("spec.image", "", "spec.image", "at least 1 character"),
+    ("spec.image", "runtime:v1\nruntime:v2", "spec.image", "must be one image reference, without whitespace or control"),
+    ("spec.image", " runtime:v1", "spec.image", "must be one image reference"),
     ("spec.imagePullPolicy", "Sometimes", "spec.imagePullPolicy", "'Always', 'IfNotPresent' or 'Never'"),
     ("spec.platform", "gpu", "spec.platform", "'ascend' or 'cpu'"),
     ("spec.model.path", DELETE, "spec.model.path", "required"),

@@ -61,9 +61,11 @@ def _seconds(default: int, minimum: int, description: str = "") -> Any:
     return Field(default, ge=minimum, le=MAX_SECONDS, description=description or None)
 
 
-def _no_edge_spaces(value: str) -> str:
-    if value != value.strip():
-        raise ValueError("must not have leading or trailing whitespace")
+def _image_reference(value: str) -> str:
+    """An image reference is one token: a newline or space in it would make a pod the kubelet
+    cannot pull (InvalidImageName), found only after the pods were created."""
+    if any(ch.isspace() or not ch.isprintable() for ch in value):
+        raise ValueError("must be one image reference, without whitespace or control characters")
     return value
 
 
@@ -367,7 +369,7 @@ class MetricsSpec(Strict):
 
 class AFDDeploymentSpec(Strict):
     replicas: int = Field(1, ge=0, le=MAX_REPLICAS, description="AFD instances; one instance is one connector world.")
-    image: Annotated[str, Field(min_length=1, max_length=1024), AfterValidator(_no_edge_spaces)] = Field(
+    image: Annotated[str, Field(min_length=1, max_length=1024), AfterValidator(_image_reference)] = Field(
         description="Runtime image (vLLM-Ascend + plugin).")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent")
     image_pull_secrets: Annotated[list[DNSSubdomain], Field(max_length=16)] = Field(

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Mapping, Optional
 
-import yaml
 from pydantic import ConfigDict, Field, ValidationError
 
 from .api import DEFAULT_DRIVER_HOST_PATHS, HCCN_CONF
+from .documents import MAX_FILE_BYTES, read_documents
 from .kube_types import MAX_LIST_ITEMS, AbsolutePath, DNSSubdomain, NetworkPolicyPeer, Strict, wire
 
 # The host paths the operator mounts read-only on platform ascend: the driver, dcmi, npu-smi
@@ -93,12 +93,16 @@ def policy_from_values(values: Any) -> ClusterPolicy:
 
 
 def load_policy(path: str) -> ClusterPolicy:
-    """The policy of a chart values file (YAML). Raises PolicyError or OSError."""
-    with open(path, encoding="utf-8") as stream:
-        try:
-            values = yaml.safe_load(stream)
-        except yaml.YAMLError as err:
-            raise PolicyError(f"not YAML: {err}") from None
+    """The policy of a chart values file (YAML), read as strictly as AFDDeployment files (one
+    line per problem: bounded size, UTF-8, no duplicate key). Raises PolicyError or OSError."""
+    with open(path, "rb") as stream:
+        data = stream.read(MAX_FILE_BYTES + 1)  # a device like /dev/zero never ends
+    documents, problems = read_documents(data)
+    if problems:
+        raise PolicyError("; ".join(str(problem) for problem in problems))
+    if len(documents) > 1:
+        raise PolicyError(f"holds {len(documents)} YAML documents; chart values are one")
+    values = documents[0] if documents else None
     if values is not None and not isinstance(values, Mapping):
         raise PolicyError("must be a mapping of chart values")
     return policy_from_values(values)
