@@ -69,3 +69,16 @@ def test_only_children_the_deployment_controls_by_uid_are_its_own():
     assert observed.pods == (ours,) and observed.objects == objects[:1]
     assert controller_uid({"ownerReferences": [{"uid": 5, "controller": True}]}) is None
     assert controller_uid({"ownerReferences": ["x", None]}) is None
+
+
+def test_a_malformed_drain_annotation_keeps_the_pod_in_view():
+    """Anyone who may annotate pods can break the operator's drain stamp: the pod is still
+    observed (before, its index entry failed and the pod dropped out of the operator's view)."""
+    pod = {"metadata": {"name": "d-r1-0-attn-0", "annotations": {"afd.inference.dev/drain-started": "yesterday"},
+                        "labels": {"afd.inference.dev/instance": "d-r1-0", "afd.inference.dev/revision": "r1",
+                                   "afd.inference.dev/role": "attention", "afd.inference.dev/pod-ordinal": "0"}},
+           "status": {}}
+    summary = summarize_pod(pod)
+    assert summary is not None and summary.drain_started_at is None
+    pod["metadata"]["annotations"]["afd.inference.dev/drain-started"] = "2026-12-07T07:00:00Z"
+    assert summarize_pod(pod).drain_started_at == 1796626800.0

@@ -22,6 +22,15 @@ def parse_time(value: Optional[str]) -> Optional[float]:
     return datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
 
 
+def _annotated_time(value: Any) -> Optional[float]:
+    """A time the operator wrote into an annotation; None if anyone made it unreadable (the pod
+    stays in the watch cache, and a drain the operator wants is stamped again)."""
+    try:
+        return parse_time(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
+
+
 def format_time(epoch: float) -> str:
     return datetime.fromtimestamp(epoch, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -165,7 +174,7 @@ def summarize_pod(body: Mapping[str, Any], created_at: Optional[float] = None) -
         created_at=parse_time(meta.get("creationTimestamp")) or created_at,
         deleting=bool(meta.get("deletionTimestamp")),
         serving=labels.get(naming.LABEL_SERVING) == "true",
-        drain_started_at=parse_time((meta.get("annotations") or {}).get(naming.ANNOTATION_DRAIN_STARTED)),
+        drain_started_at=_annotated_time((meta.get("annotations") or {}).get(naming.ANNOTATION_DRAIN_STARTED)),
         termination=_termination(status),
         unschedulable=scheduled.get("message") if scheduled.get("reason") == "Unschedulable" else None,
         pod_ip=status.get("podIP"),
