@@ -39,14 +39,15 @@ SERVICE_ACCOUNT = f"system:serviceaccount:{RELEASE_NS}:{RELEASE}"
 NAMESPACED_RULES = [
     {"apiGroups": ["afd.inference.dev"], "resources": ["afddeployments"], "verbs": ["list", "watch", "patch"]},
     {"apiGroups": ["afd.inference.dev"], "resources": ["afddeployments/status"], "verbs": ["patch"]},
-    {"apiGroups": [""], "resources": ["pods", "services"], "verbs": ["list", "watch", "create", "patch", "delete"]},
-    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["list", "watch", "create", "delete"]},
+    {"apiGroups": [""], "resources": ["pods", "services"],
+     "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch", "create", "delete"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"],
-     "verbs": ["list", "watch", "create", "patch", "delete"]},
+     "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
-     "verbs": ["list", "watch", "create", "patch", "delete"]},
+     "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     {"apiGroups": ["monitoring.coreos.com"], "resources": ["podmonitors"], "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": ["scheduling.volcano.sh"], "resources": ["podgroups"], "verbs": ["get", "create", "delete"]},
 ]
@@ -362,12 +363,39 @@ def test_install_walkthrough_converged_and_rolled(walkthrough: Walkthrough) -> N
     assert walkthrough.cluster.kubectl("get", "servicemonitor", RELEASE, "-n", RELEASE_NS).returncode == 0
 
 
+def test_a_squatted_name_is_a_name_conflict_under_the_charts_rbac(walkthrough: Walkthrough) -> None:
+    """The operator reads the holder of a name its create found taken (get, granted by the
+    chart) and reports it; the squatter is left as it was."""
+    cluster = walkthrough.cluster
+    cluster.kubectl("create", "service", "clusterip", "squatted", "--tcp=80:80", "-n", DEMO_NS)
+    spec = json.loads(cluster.kubectl("get", "afd", "tiny-cpu", "-n", DEMO_NS, "-o", "json").stdout)["spec"]
+    manifest = {"apiVersion": "afd.inference.dev/v1alpha1", "kind": "AFDDeployment",
+                "metadata": {"name": "squatted", "namespace": DEMO_NS}, "spec": spec}
+    cluster.kubectl("apply", "-f", "-", input_text=json.dumps(manifest))
+
+    def conflict() -> Any:
+        obj = json.loads(cluster.kubectl("get", "afd", "squatted", "-n", DEMO_NS, "-o", "json").stdout)
+        return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == "NameConflict"), None)
+
+    try:
+        condition = wait_for(conflict, "NameConflict on squatted", 60)
+        assert condition["message"].startswith("Service squatted exists and is controlled by nothing (no controller "
+                                               "reference)"), condition
+        service = json.loads(cluster.kubectl("get", "service", "squatted", "-n", DEMO_NS, "-o", "json").stdout)
+        assert "ownerReferences" not in service["metadata"] and service["spec"]["selector"] == {"app": "squatted"}
+    finally:
+        cluster.kubectl("delete", "afd", "squatted", "-n", DEMO_NS, "--timeout=60s", check=False)
+        cluster.kubectl("delete", "service", "squatted", "-n", DEMO_NS, check=False)
+
+
 # (verb, resource, subresource): kubectl would read "pods/exec" as the pod named "exec".
 CAN = [("list", "afddeployments.afd.inference.dev", ""), ("watch", "afddeployments.afd.inference.dev", ""),
        ("patch", "afddeployments.afd.inference.dev", ""), ("patch", "afddeployments.afd.inference.dev", "status"),
        ("create", "pods", ""), ("patch", "pods", ""), ("delete", "pods", ""), ("watch", "pods", ""),
        ("create", "services", ""), ("patch", "services", ""), ("delete", "services", ""),
        ("create", "configmaps", ""), ("delete", "configmaps", ""), ("create", "events", ""),
+       ("get", "pods", ""), ("get", "services", ""), ("get", "configmaps", ""),
+       ("get", "poddisruptionbudgets.policy", ""), ("get", "networkpolicies.networking.k8s.io", ""),
        ("watch", "endpointslices.discovery.k8s.io", ""),
        ("watch", "poddisruptionbudgets.policy", ""), ("create", "poddisruptionbudgets.policy", ""),
        ("watch", "networkpolicies.networking.k8s.io", ""), ("patch", "networkpolicies.networking.k8s.io", ""),

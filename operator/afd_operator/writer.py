@@ -126,7 +126,10 @@ class Writer:
         """An object of the created one's name exists: fine if the same controller holds it."""
         meta = obj["metadata"]
         wanted = _controller(meta)
-        existing = self.get(version, obj["kind"], meta.get("namespace"), meta["name"])
+        try:
+            existing = self.get(version, obj["kind"], meta.get("namespace"), meta["name"])
+        except ApiException as err:
+            raise ApiWriteError.from_api("get", obj["kind"], meta["name"], err) from err
         if wanted is None or existing is None:  # no owner to compare, or gone since: the next round sees it
             return
         held = _controller(existing.get("metadata") or {})

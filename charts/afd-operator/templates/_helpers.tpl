@@ -48,10 +48,11 @@ operator/afd_operator/writer.py and handlers/):
 - AFDDeployments: kopf lists and watches them and patches its finalizer and annotations;
   the reconciler writes the status subresource.
 - Pods, Services, ConfigMaps: watched for kopf's indexes; pods and services are created,
-  patched and deleted; revision ConfigMaps are immutable (create, delete).
+  patched and deleted; revision ConfigMaps are immutable (create, delete). A create refused as
+  "already exists" reads that one object (get) to see whether its deployment controls it.
 - Events: posted by the reconciler and by kopf.
 - PodDisruptionBudgets, NetworkPolicies (one of each per instance): watched for kopf's
-  indexes, created, patched and deleted.
+  indexes, created (get as above), patched and deleted.
 - PodMonitors, Volcano PodGroups: read to avoid needless writes, then created, patched (not
   PodGroups) and deleted.
 */}}
@@ -64,10 +65,10 @@ operator/afd_operator/writer.py and handlers/):
   verbs: [patch]
 - apiGroups: [""]
   resources: [pods, services]
-  verbs: [list, watch, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [configmaps]
-  verbs: [list, watch, create, delete]
+  verbs: [get, list, watch, create, delete]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
@@ -76,10 +77,10 @@ operator/afd_operator/writer.py and handlers/):
   verbs: [list, watch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [list, watch, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
-  verbs: [list, watch, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]
   verbs: [get, create, patch, delete]
