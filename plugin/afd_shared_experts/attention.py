@@ -149,38 +149,43 @@ class RemoteMoE:
         wire_row = torch.arange(rows, device=device)
 
         frames = self.connector.acquire()
-        flat_work = frames.work.view(-1, hidden)
-        flat_work.index_copy_(0, wire_row + (work_starts - rank_start).index_select(0, wire_rank),
-                              x.index_select(0, wire_tokens))
-        reply_row = wire_row + (reply_starts - rank_start).index_select(0, wire_rank)
-        # The combine reads each (token, slot) row's output straight from the replies.
-        gather_index = torch.empty_like(reply_row).index_copy_(0, order, reply_row)
-        extra = torch.zeros(ffn, dtype=torch.int64, device=device)
-        shared_index = None
-        if self.placement == "ffn" and self.partition == "contiguous":
-            # Each token once more, after its range's rank's routed rows.
-            token_rank, index_in_range, extra = contiguous_assignment(real, ffn, device)
-            slot = per_rank.index_select(0, token_rank) + index_in_range
-            flat_work.index_copy_(0, work_starts.index_select(0, token_rank) + slot, x)
-            shared_index = reply_starts.index_select(0, token_rank) + slot
-        elif self.placement == "ffn":
-            # Each token's one designated row; its shared output follows the rank's routed rows,
-            # in the wire order of the rank's designated rows.
-            wire_designated = designated.index_select(0, order)
-            designated_per_rank = designated_counts.sum(1)
-            designated_start = designated_per_rank.cumsum(0) - designated_per_rank
-            first_shared = reply_starts + per_rank - designated_start - 1
-            source = wire_designated.cumsum(0) + first_shared.index_select(0, wire_rank)
-            target = torch.where(wire_designated, wire_tokens, real)  # non-designated rows land in slot `real`
-            shared_index = torch.zeros(real + 1, dtype=torch.int64, device=device).scatter_(0, target, source)[:real]
+        try:
+            flat_work = frames.work.view(-1, hidden)
+            flat_work.index_copy_(0, wire_row + (work_starts - rank_start).index_select(0, wire_rank),
+                                  x.index_select(0, wire_tokens))
+            reply_row = wire_row + (reply_starts - rank_start).index_select(0, wire_rank)
+            # The combine reads each (token, slot) row's output straight from the replies.
+            gather_index = torch.empty_like(reply_row).index_copy_(0, order, reply_row)
+            extra = torch.zeros(ffn, dtype=torch.int64, device=device)
+            shared_index = None
+            if self.placement == "ffn" and self.partition == "contiguous":
+                # Each token once more, after its range's rank's routed rows.
+                token_rank, index_in_range, extra = contiguous_assignment(real, ffn, device)
+                slot = per_rank.index_select(0, token_rank) + index_in_range
+                flat_work.index_copy_(0, work_starts.index_select(0, token_rank) + slot, x)
+                shared_index = reply_starts.index_select(0, token_rank) + slot
+            elif self.placement == "ffn":
+                # Each token's one designated row; its shared output follows the rank's routed rows,
+                # in the wire order of the rank's designated rows.
+                wire_designated = designated.index_select(0, order)
+                designated_per_rank = designated_counts.sum(1)
+                designated_start = designated_per_rank.cumsum(0) - designated_per_rank
+                first_shared = reply_starts + per_rank - designated_start - 1
+                source = wire_designated.cumsum(0) + first_shared.index_select(0, wire_rank)
+                target = torch.where(wire_designated, wire_tokens, real)  # non-designated rows land in slot `real`
+                shared_index = torch.zeros(real + 1, dtype=torch.int64, device=device).scatter_(0, target,
+                                                                                               source)[:real]
 
-        layout.headers(frames.work).copy_(torch.cat([self._static_header(stage, stages, device).expand(ffn, -1),
-                                                     torch.stack([per_rank + extra, extra], 1), routed_counts,
-                                                     designated_counts], 1))
-        ticket = self.connector.dispatch(self.layer, stage, frames, stages=stages)
+            layout.headers(frames.work).copy_(torch.cat([self._static_header(stage, stages, device).expand(ffn, -1),
+                                                         torch.stack([per_rank + extra, extra], 1), routed_counts,
+                                                         designated_counts], 1))
+            ticket = self.connector.dispatch(self.layer, stage, frames, stages=stages)
+        except BaseException:
+            self.connector.release(frames)  # not dispatched: back to the pool
+            raise
         if started is not None:
-            self.trace.record("dispatch", started[0], wall_ns=started[1], step=ticket.step, layer=self.layer, stage=stage,
-                              rows=rows)
+            self.trace.record("dispatch", started[0], wall_ns=started[1], step=ticket.step, layer=self.layer,
+                              stage=stage, rows=rows)
         if self.metrics is not None:  # host-known: every row goes to one FFN rank, each token's shared work once
             self.metrics.tokens_dispatched.labels(kind="routed", layer=str(self.layer)).inc(rows)
             self.metrics.tokens_dispatched.labels(kind="shared", layer=str(self.layer)).inc(
@@ -191,14 +196,6 @@ class RemoteMoE:
                               weights=topk_weights[:real].float().reshape(real, top_k), num_tokens=real,
                               total_rows=total_rows, local_shared=local_shared)
 
-    def abandon(self, pending: PendingCombine) -> None:
-        """Take a dispatch's replies off the links and free its frames, with no output: for a
-        dispatch whose step failed before its combine (ops.py)."""
-        ticket, frames = self.connector.receive_replies(pending.ticket.stage)
-        self.connector.release(frames)
-        if ticket != pending.ticket:
-            raise RuntimeError(f"abandon out of order: expected {pending.ticket}, the connector answered {ticket}")
-
     def combine(self, pending: PendingCombine) -> torch.Tensor:
         started = clocks() if self.trace is not None else None
         ticket, frames = self.connector.receive_replies(pending.ticket.stage)
@@ -206,23 +203,25 @@ class RemoteMoE:
             where = dict(step=ticket.step, layer=self.layer, stage=ticket.stage)
             self.trace.record("combine_wait", started[0], wall_ns=started[1], rows=0, **where)
             started = clocks()
-        if ticket != pending.ticket:
-            raise RuntimeError(f"combine out of order: expected {pending.ticket}, the connector answered {ticket}")
-        real, top_k = pending.weights.shape
-        hidden = frames.reply.shape[-1]
-        replies = frames.reply.view(-1, hidden)
-        # Each token's expert outputs in slot order, then its weighted sum over its top-k in slot
-        # order: no atomics, the same float32 sum whatever the wire order.
-        by_slot = replies.index_select(0, pending.gather_index).view(real, top_k, hidden)
-        routed_sum = (by_slot.float() * pending.weights[:, :, None]).sum(dim=1)
-        if pending.local_shared is not None:
-            shared = pending.local_shared
-        elif pending.shared_index is not None:
-            shared = replies.index_select(0, pending.shared_index)
-        else:
-            shared = None
-        out = combine(routed_sum, shared, self.spec.routed_scaling_factor, self.dtype)
-        self.connector.release(frames)  # every read of the replies is queued before this
+        try:
+            if ticket != pending.ticket:
+                raise RuntimeError(f"combine out of order: expected {pending.ticket}, the connector answered {ticket}")
+            real, top_k = pending.weights.shape
+            hidden = frames.reply.shape[-1]
+            replies = frames.reply.view(-1, hidden)
+            # Each token's expert outputs in slot order, then its weighted sum over its top-k in slot
+            # order: no atomics, the same float32 sum whatever the wire order.
+            by_slot = replies.index_select(0, pending.gather_index).view(real, top_k, hidden)
+            routed_sum = (by_slot.float() * pending.weights[:, :, None]).sum(dim=1)
+            if pending.local_shared is not None:
+                shared = pending.local_shared
+            elif pending.shared_index is not None:
+                shared = replies.index_select(0, pending.shared_index)
+            else:
+                shared = None
+            out = combine(routed_sum, shared, self.spec.routed_scaling_factor, self.dtype)
+        finally:
+            self.connector.release(frames)  # every read of the replies is queued before this, or failed
         if started is not None:
             self.trace.record("combine", started[0], wall_ns=started[1], rows=real, **where)
         if pending.total_rows == real:

@@ -25,6 +25,7 @@ Ordering and lifetime rules:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -36,7 +37,7 @@ import torch
 
 from .config import DATA_PLANES, DEFAULT_RENDEZVOUS_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS, AFDConfig
 from .device import host_buffer, resolve_device, to_device, to_host
-from .frames import FramePool, FrameSet, pool_size
+from .frames import FramePool, FrameSet, new_frame_set, pool_size
 from .errors import AFDError, ConnectorClosedError, DeviceUnavailableError, PairingError, PayloadError, PeerLostError
 from .metrics import RuntimeMetrics
 from .rendezvous import agree_on_world, open_store
@@ -46,6 +47,7 @@ from .wire import (BYTE_KINDS, KIND_SHUTDOWN, ROWS_FIELD, TAG_REPLY, TAG_WORK, D
                    StepCounter, WireLayout, WorkItem, check_stage, unpack_work)
 
 CPU = torch.device("cpu")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -236,7 +238,8 @@ class P2PConnector(AFDConnector):
                 self._source_steps[source] = StepCounter()
                 self._post_work_recv(source)
         else:
-            self._pool = FramePool(self.rank, self.frame_sets, self._new_frames)
+            self._pool = FramePool(self.rank, self.frame_sets, lambda: new_frame_set(
+                self.layout, self.num_ffn_ranks, self.device, host_staging=self._host_staging))
             if self._links["reply"].on_stream:
                 # Its waits are on the device stream: the heartbeat thread watches the FFN ranks.
                 self._heartbeat.monitor(list(range(self.num_attention_ranks, self.world_size)), self._peer_name,
@@ -346,14 +349,6 @@ class P2PConnector(AFDConnector):
             self.metrics.sent_bytes.labels(kind=kind).inc(nbytes)
 
     # ------------------------------------------------------------------ Attention side
-    def _new_frames(self) -> FrameSet:
-        layout, ranks = self.layout, self.num_ffn_ranks
-        frames = FrameSet(work=layout.work_frames(ranks, self.device), reply=layout.reply_frames(ranks, self.device))
-        if self._host_staging:
-            frames.work_host = host_buffer(frames.work.shape, layout.dtype, self.device)
-            frames.reply_host = host_buffer(frames.reply.shape, layout.dtype, self.device)
-        return frames
-
     def _after_sends(self, frames: FrameSet) -> None:
         for handle in frames.sends.handles:
             if isinstance(handle, StreamOrdered):
@@ -375,6 +370,10 @@ class P2PConnector(AFDConnector):
         layout, first_ffn = self.layout, self.num_attention_ranks
         ticket = DispatchTicket(layer=layer, seq=self._seq, stage=stage, step=self._steps.advance(layer, stage))
         self._seq += 1
+        queue_ = self._pending.setdefault(stage, deque())
+        while queue_ and queue_[0].ticket.step < ticket.step:  # its step failed before combining it
+            logger.warning("afd rank %d: %s was never combined; its replies are drained", self.rank, queue_[0].ticket)
+            self.release(self._replies(queue_.popleft())[1])
         ffn_ranks = range(self.num_ffn_ranks)
         if self._staged:
             # The frames go through host memory: their row counts are read there, once per dispatch.
@@ -395,7 +394,7 @@ class P2PConnector(AFDConnector):
         for handle, tensor in zip(send_handles, sends):
             frames.sends.add(handle, tensor)
             self._count("work", tensor.numel() * tensor.element_size())
-        self._pending.setdefault(stage, deque()).append(_Dispatch(ticket, frames, receives, reply_rows))
+        queue_.append(_Dispatch(ticket, frames, receives, reply_rows))
         return ticket
 
     def receive_replies(self, stage: int) -> tuple[DispatchTicket, FrameSet]:
@@ -403,8 +402,10 @@ class P2PConnector(AFDConnector):
         queue_ = self._pending.get(stage)
         if not queue_:
             raise PairingError(f"rank {self.rank}: receive_replies(stage={stage}) without a pending dispatch")
-        pending = queue_.popleft()
-        started = time.monotonic()
+        return self._replies(queue_.popleft())
+
+    def _replies(self, pending: _Dispatch) -> tuple[DispatchTicket, FrameSet]:
+        stage, started = pending.ticket.stage, time.monotonic()
         peers = [self.num_attention_ranks + f for f in range(self.num_ffn_ranks)]
         what = f"reply to layer {pending.ticket.layer} stage {stage}"
         if isinstance(pending.receives[0], StreamOrdered):

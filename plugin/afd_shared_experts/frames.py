@@ -12,8 +12,10 @@ from typing import Callable
 
 import torch
 
+from .device import host_buffer
 from .errors import AFDError
 from .transport import InFlight
+from .wire import WireLayout
 
 # Frame sets beyond the stages' own: a stage's next dispatch takes a set while its previous
 # set's sends may still be completing on a device link.
@@ -31,6 +33,14 @@ class FrameSet:
     work_host: torch.Tensor | None = None
     reply_host: torch.Tensor | None = None
     sends: InFlight = field(default_factory=InFlight)
+
+
+def new_frame_set(layout: WireLayout, ffn_ranks: int, device: torch.device, *, host_staging: bool) -> FrameSet:
+    frames = FrameSet(work=layout.work_frames(ffn_ranks, device), reply=layout.reply_frames(ffn_ranks, device))
+    if host_staging:  # the staged plane on an accelerator: pinned host twins
+        frames.work_host = host_buffer(frames.work.shape, layout.dtype, device)
+        frames.reply_host = host_buffer(frames.reply.shape, layout.dtype, device)
+    return frames
 
 
 def pool_size(stages: int) -> int:

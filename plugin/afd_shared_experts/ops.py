@@ -34,8 +34,6 @@ class RemoteLayer:
 
     dispatch: Callable[[torch.Tensor, list[torch.Tensor]], object]
     combine: Callable[[object], torch.Tensor]
-    # Takes a dispatch's replies off the links and frees its frames, with no output (a failed step's).
-    abandon: Callable[[object], None]
 
 
 _layers: dict[str, RemoteLayer] = {}
@@ -54,7 +52,7 @@ def register(name: str, layer: RemoteLayer) -> None:
 def register_remote_moe(name: str, remote) -> None:
     """An ``attention.RemoteMoE`` under ``name``: routing is ``[topk_ids, topk_weights]``."""
     register(name, RemoteLayer(dispatch=lambda hidden_states, routing: remote.dispatch(hidden_states, *routing),
-                               combine=remote.combine, abandon=remote.abandon))
+                               combine=remote.combine))
 
 
 def set_stage_source(source: Callable[[], int]) -> None:
@@ -76,20 +74,13 @@ def dispatch(hidden_states: torch.Tensor, routing: list[torch.Tensor], layer: st
         raise KeyError(f"afd::dispatch: no remote MoE layer registered as {layer!r} (registered: {sorted(_layers)})")
     queue = _queue(layer)
     if queue:
-        _drain_abandoned(layer, remote, queue)
+        # A forward combines each (layer, stage) before it dispatches the same again: what is
+        # still here belongs to a step that failed in between. The connector drains its replies
+        # when the next step dispatches (P2PConnector.dispatch); its pending combine goes here.
+        logger.warning("afd: layer %s: %d dispatch(es) of a failed step were never combined", layer, len(queue))
+        queue.clear()
     queue.append(remote.dispatch(hidden_states, routing))
     return hidden_states.new_empty(0)
-
-
-def _drain_abandoned(layer: str, remote: RemoteLayer, queue: deque) -> None:
-    """A forward combines each (layer, stage) before it dispatches the same again: what is still
-    pending here belongs to a step that failed in between. Its replies are taken off the links
-    and its frames go back to the pool now; otherwise this step's combine would take that
-    step's replies (a lost peer raises here)."""
-    logger.warning("afd: layer %s: %d dispatch(es) of a failed step were never combined; their replies are "
-                   "drained before this step's dispatch", layer, len(queue))
-    while queue:
-        remote.abandon(queue.popleft())
 
 
 @dispatch.register_fake

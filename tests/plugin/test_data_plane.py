@@ -259,18 +259,38 @@ def test_custom_ops_compile_whole_and_keep_dispatch_before_combine(checkpoints):
     assert served == 2 * 2 * 3  # each call dispatched once to each FFN rank
 
 
-def test_a_step_that_failed_between_dispatch_and_combine_leaves_nothing_behind(checkpoints, caplog):
-    """An exception after ``afd::dispatch`` and before its ``afd::combine`` (a failed step):
-    the next step's dispatch drains the abandoned one, and its outputs are its own."""
-    with one_registered_layer(checkpoints["deepseek_v3"], "failing") as (spec, world, moe, name):
-        first = torch.randn(6, spec.hidden_size, generator=torch.Generator().manual_seed(1))
-        torch.ops.afd.dispatch(first, list(route(spec, moe.gate, first)), name)  # the step then fails
+@pytest.mark.parametrize("failed_at", [0, 1])
+def test_a_step_that_failed_between_dispatch_and_combine_leaves_nothing_behind(checkpoints, caplog, failed_at):
+    """An exception after a layer's ``afd::dispatch`` and before its ``afd::combine`` (a failed
+    step), at the first or a later MoE layer: the next step's dispatches drain the abandoned
+    one, its outputs are its own, and no frame set is lost."""
+    model_dir = checkpoints["qwen2_moe"]
+    spec = load_spec(model_dir)
+    assert len(spec.moe_layers) == 2
+    with ThreadWorld(model_dir, 1, 2, placement="ffn") as world:
+        connector, layers = world.attention_connectors[0], world.layers[0]
+        names = {l: f"failing{failed_at}.layers.{l}" for l in spec.moe_layers}
+        for l, name in names.items():
+            ops.register_remote_moe(name, layers[l].remote)
+
+        def step(x, fail_at=None):
+            outputs = {}
+            for index, (l, name) in enumerate(names.items()):
+                if index == fail_at:
+                    torch.ops.afd.dispatch(x, list(route(spec, layers[l].gate, x)), name)
+                    return None  # the step fails here
+                outputs[l] = ops.remote_moe(x, list(route(spec, layers[l].gate, x)), name)
+            return outputs
+
+        step(torch.randn(6, spec.hidden_size, generator=torch.Generator().manual_seed(1)), fail_at=failed_at)
         for tokens in (3, 8):
             x = torch.randn(tokens, spec.hidden_size, generator=torch.Generator().manual_seed(tokens))
-            assert torch.equal(ops.remote_moe(x, list(route(spec, moe.gate, x)), name), moe.forward(x))
-        assert world.attention_connectors[0].pending_dispatches() == 0
-        assert world.attention_connectors[0].sends_in_flight() == 0
-    assert f"afd: layer {name}: 1 dispatch(es) of a failed step were never combined" in caplog.text
+            outputs = step(x)
+            for l in spec.moe_layers:
+                assert torch.equal(outputs[l], layers[l].forward(x))
+        assert connector.pending_dispatches() == 0 and connector.sends_in_flight() == 0
+        assert len(connector._pool._free) == connector.frame_sets
+    assert "was never combined; its replies are drained" in caplog.text
 
 
 def test_the_frame_pool_is_made_once_and_never_grows(checkpoints):

@@ -175,8 +175,7 @@ class AFDFusedMoE(FusedMoE):
             spec=rank.spec, layer=layer, connector=rank.connector, num_ffn_ranks=cfg.num_ffn_ranks,
             placement=placement, partition=cfg.shared_experts.partition, dtype=vllm_config.model_config.dtype,
             shared=shared, metrics=rank.metrics)
-        register(prefix, RemoteLayer(dispatch=self.afd_dispatch, combine=self.afd_combine,
-                                     abandon=lambda dispatched: self.remote.abandon(dispatched[0])))
+        register(prefix, RemoteLayer(dispatch=self.afd_dispatch, combine=self.afd_combine))
 
     @property
     def is_internal_router(self) -> bool:
