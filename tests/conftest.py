@@ -35,6 +35,7 @@ WHOLE_MACHINE_MODULES = ("tests/plugin/test_ffn_supervisor.py", "tests/plugin/te
                          "tests/realnode/")
 # Modules that run the vLLM venv's python (the whole-machine ones among them).
 VLLM_MODULES = ("tests/plugin/test_vllm_ascend_context.py", "tests/plugin/test_vllm_cpu_patches.py",
+                "tests/plugin/test_vllm_engine_flags.py",
                 "tests/plugin/test_vllm_e2e_offline.py", "tests/plugin/test_vllm_ffn_experts.py",
                 "tests/plugin/test_vllm_ffn_multi_rank.py", "tests/plugin/test_vllm_model_families.py",
                 "tests/plugin/test_vllm_model_support.py", "tests/plugin/test_vllm_serve_e2e.py",

@@ -80,6 +80,18 @@ MALFORMED = [
      "'--config' is refused: a config file could set the operator's flags; give its flags in engineArgs"),
     ("spec.attention.engineArgs", ["--tensor-parallel", "8"], "spec.attention.engineArgs[0]",
      "('--tensor-parallel' is read by vLLM as '--tensor-parallel-size')"),
+    ("spec.attention.engineArgs", ["-dpa", "10.9.9.9"], "spec.attention.engineArgs[0]",
+     "'--data-parallel-address' is set by the operator from connector ('-dpa' is read by vLLM as "
+     "'--data-parallel-address')"),
+    ("spec.attention.engineArgs", ["-qfp8"], "spec.attention.engineArgs[0]",
+     "'--quantization' is set by the operator from model.quantization ('-qfp8' is read by vLLM as '--quantization')"),
+    ("spec.attention.engineArgs", ["-t", "4"], "spec.attention.engineArgs[0]",
+     "('-t' is read by vLLM as '--tensor-parallel-size')"),
+    ("spec.attention.engineArgs", ["-r=1"], "spec.attention.engineArgs[0]", "'--node-rank' is set by the operator"),
+    ("spec.attention.engineArgs", ["--pipeline-parallel", "2"], "spec.attention.engineArgs",
+     "pipeline parallel is not supported (--pipeline-parallel-size 2)"),
+    ("spec.attention.engineArgs", ["--pipeline-parallel-size", "1", "-pp", "2"], "spec.attention.engineArgs",
+     "pipeline parallel is not supported (--pipeline-parallel-size 2)"),
     ("spec.attention.engineArgs", ["--max_model_len=4096"], "spec.attention.engineArgs[0]",
      "'--max-model-len' is set by the operator from model.maxModelLen"),
     ("spec.attention.engineArgs", ["--pipeline-parallel-size", "2"], "spec.attention.engineArgs",
@@ -154,6 +166,9 @@ def test_malformed_spec_names_field_and_rule(change: str, value: Any, path: str,
 
 @pytest.mark.parametrize("change, value, rule", [
     ("spec.attention.engineArgs", ["--enable-dbo"], "must be 1 here: vLLM's own micro-batching"),
+    ("spec.attention.engineArgs", ["--enable_db"], "must be 1 here: vLLM's own micro-batching"),  # a prefix
+    ("spec.attention.engineArgs", ["-sc", "{}"], "must be 1 here: speculative decoding"),
+    ("spec.attention.engineArgs", ["--ubatch", "2"], "must be 1 here: vLLM's own micro-batching"),
     ("spec.attention.engineArgs", ["--worker-cls=my.Worker"], "must be 1 here: micro-batch stages need the plugin's worker"),
     ("spec.model.maxNumBatchedTokens", 2, "must be <= model.maxNumBatchedTokens (2): a step cannot hold more requests "
                                           "than tokens (got 3)"),
@@ -203,7 +218,8 @@ def test_head_only_engine_flags_only_when_all_attention_ranks_share_one_pod() ->
 
 def test_engine_flags_the_operator_does_not_own_pass_in_any_spelling() -> None:
     args = ["--enforce-eager", "--max_num_seqs=8", "--model-impl", "vllm", "--compilation-config.level=0",
-            "--gpu-memory-utilization", "0.9", "--seed", "-1", "--api_server_count=1"]
+            "--gpu-memory-utilization", "0.9", "--seed", "-1", "--api_server_count=1", "-O3", "-cc", "{}",
+            "--load-format", "auto"]
     obj, problems = validate_object(with_change("spec.attention.engineArgs", args))
     assert obj is not None and problems == []
 

@@ -179,7 +179,7 @@ def _int_flag(values: dict[str, Optional[str]], *flags: str, default: int) -> in
 
 def attention_pipeline_parallel(spec: AFDDeploymentSpec) -> int:
     """The Attention engines' --pipeline-parallel-size (1 unless engineArgs set it)."""
-    return _int_flag(flag_values(spec.attention.engine_args), "--pipeline-parallel-size", "-pp", default=1)
+    return _int_flag(flag_values(spec.attention.engine_args), "--pipeline-parallel-size", default=1)
 
 
 def spec_stage_limit(spec: AFDDeploymentSpec) -> tuple[int, str]:

@@ -50,11 +50,16 @@ MAX_POD_EXTRAS_BYTES = 512 * 1024
 # Engine flags the operator derives from the spec; setting them by hand would break a world.
 OPERATOR_OWNED_FLAGS = {
     "--tensor-parallel-size": "attention.tensorParallel",
-    "-tp": "attention.tensorParallel",
     "--data-parallel-size": "attention.dataParallel",
-    "-dp": "attention.dataParallel",
     "--data-parallel-size-local": "attention.dataParallel",
     "--data-parallel-start-rank": "attention.dataParallel",
+    "--data-parallel-rank": "attention.dataParallel",
+    "--data-parallel-backend": "the pod layout",
+    "--data-parallel-hybrid-lb": "the pod layout",
+    "--data-parallel-external-lb": "the pod layout",
+    "--data-parallel-multi-port-external-lb": "the pod layout",
+    "--nnodes": "the pod layout",
+    "--node-rank": "the pod layout",
     "--data-parallel-address": "connector",
     "--data-parallel-rpc-port": "attention.dataParallelRpcPort",
     "--headless": "the pod layout",
@@ -72,7 +77,7 @@ OPERATOR_OWNED_FLAGS = {
 # Refused whatever their value: a config file's keys are engine flags, so it could set any of the above.
 REFUSED_FLAGS = {"--config": "a config file could set the operator's flags; give its flags in engineArgs"}
 # vLLM refuses these on headless pods (it starts no API server there) and exits at start.
-HEAD_ONLY_FLAGS = ("--api-server-count", "-asc")
+HEAD_ONLY_FLAGS = ("--api-server-count",)
 
 
 def _check_env(path: str, env: list[EnvVar]) -> list[Problem]:
