@@ -57,8 +57,8 @@ _selected = threading.local()
 def select_device(device: torch.device) -> None:
     """Make ``device`` the calling thread's current device. The current accelerator device is
     per host thread (CUDA and the NPU runtime alike) and index 0 until a thread selects its own:
-    every thread that launches device work (an FFN rank's runtime thread, a stage thread) must
-    call this, or an FFN rank with local index 1 launches on device 0 with pointers of device 1.
+    every thread that launches device work (an FFN rank's runtime thread does) must call this
+    (micro-batch stage threads do not yet: stages run on vLLM's CPU platform only), or an FFN rank with local index 1 launches on device 0 with pointers of device 1.
     torch_npu registers the NPU as torch's accelerator, so one call serves cuda and npu. The
     choice is also kept per thread, for ``current_device`` on the CPU."""
     if device.type != "cpu" and device.index is not None:
@@ -82,7 +82,7 @@ def gloo_process_group(store: dist.Store, rank: int, world_size: int, timeout: t
 
 class DeviceStreams:
     """Streams and events of an accelerator through torch's device module (cuda; npu once
-    torch_npu is loaded): what ``transport.GroupedTransport`` needs."""
+    torch_npu is loaded): what ``transport.GroupedTransport`` needs. Untested on a device."""
 
     def __init__(self, device: torch.device):
         self.device = device

@@ -119,7 +119,10 @@ class EventHandle:
 
 
 class GroupedTransport:
-    """A device link (the ``direct`` plane on an accelerator) over one communicator: every post
+    """Untested on a device: run on the CPU only over the strict communicator double
+    (tests/plugin/strict_communicator.py); docs/plugin-runtime.md lists its known gaps.
+
+    A device link (the ``direct`` plane on an accelerator) over one communicator: every post
     of either side, one operation or many, is one group on the link's own stream, so both ends
     of every pair post the same way on the same communicator, and each link's operations
     block only that link's stream (a receive waiting for the next work frame never holds up a

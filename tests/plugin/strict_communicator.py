@@ -16,7 +16,10 @@ What it enforces, per link and rank:
 5. completion is known only through events recorded on the stream (``query``, or a stream's
    ``wait_event``; the host stream's wait blocks, as a synchronize would).
 
-Not enforced here: host reads of device tensors (the CPU has no device memory to tell apart).
+Not enforced here: host reads of device tensors (the CPU has no device memory to tell apart);
+the link stream's wait for the caller's stream (``wait_stream`` is a no-op: CPU compute is done
+when it returns); a tensor written after its send was posted; an FFN rank blocked behind an idle
+Attention rank (the 2A x 3F test runs both Attention ranks in lockstep).
 """
 
 from __future__ import annotations
