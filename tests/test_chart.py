@@ -171,10 +171,23 @@ def test_webhook_certificate_serves_the_service_name(helm4: Helm, repo_root: Pat
     objects = render(helm4, repo_root)
     (secret,) = find(objects, "Secret")
     (config,) = find(objects, "ValidatingWebhookConfiguration")
-    (webhook,) = config["webhooks"]
-    assert webhook["clientConfig"]["service"] == {"namespace": RELEASE_NS, "name": f"{RELEASE}-webhook",
-                                                  "path": "/afddeployment-validation", "port": 443}
-    assert webhook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+    # kopf serves each handler at /<its id> (main.register); the pod webhooks see only pods with
+    # one of the guarded labels.
+    hooks = {w["name"]: w for w in config["webhooks"]}
+    assert {name: (w["clientConfig"]["service"]["path"], w["rules"][0]["resources"], w.get("objectSelector"))
+            for name, w in hooks.items()} == {
+        "validation.afd.inference.dev": ("/afddeployment-validation", ["afddeployments"], None),
+        **{f"pod-membership-{label}.afd.inference.dev": (
+            f"/pod-membership-{label}", ["pods"],
+            {"matchExpressions": [{"key": f"afd.inference.dev/{label}", "operator": "Exists"}]})
+           for label in ("deployment", "instance")}}
+    for webhook in hooks.values():
+        assert webhook["clientConfig"]["service"]["name"] == f"{RELEASE}-webhook"
+        assert webhook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+        assert webhook["rules"][0]["operations"] == ["CREATE", "UPDATE"] and webhook["failurePolicy"] == "Fail"
+    (deployment,) = find(objects, "Deployment")
+    assert (f"--operator-username=system:serviceaccount:{RELEASE_NS}:{RELEASE}"
+            in deployment["spec"]["template"]["spec"]["containers"][0]["args"])
     ca, cert = tmp_path / "ca.crt", tmp_path / "tls.crt"
     ca.write_bytes(base64.b64decode(secret["data"]["ca.crt"]))
     cert.write_bytes(base64.b64decode(secret["data"]["tls.crt"]))

@@ -15,7 +15,7 @@ import yaml
 from kubernetes import watch
 from kubernetes.client import ApiException
 
-from afd_devcluster import ControlPlane, free_port
+from afd_devcluster import OPERATOR_USER, ControlPlane, free_port
 from afd_devcluster.certs import self_signed_certificate
 from afd_devcluster.operator_process import OperatorProcess
 from afd_operator import naming
@@ -91,7 +91,8 @@ def test_an_object_stored_under_laxer_rules_is_still_deleted(env: Env, cluster: 
     configuration = "afd-faults.validation.afd.inference.dev"
     strict = OperatorProcess(cluster.operator_kubeconfig, tmp_path / "strict.log", resync_seconds=0.5, extra_args=(
         "--webhook-port", str(free_port()), "--webhook-host", "127.0.0.1", "--webhook-listen", "127.0.0.1",
-        "--webhook-cert", str(cert), "--webhook-key", str(key), "--webhook-configuration", configuration)).start()
+        "--webhook-cert", str(cert), "--webhook-key", str(key), "--webhook-configuration", configuration,
+        "--operator-username", OPERATOR_USER)).start()
     try:
         cond = wait_for(lambda: (c := env.condition("stored", "ConfigValid")) and c["status"] == "False" and c,
                         "ConfigValid=False under today's rules", 45)

@@ -13,7 +13,7 @@ import yaml
 from afd_operator import naming
 from afd_operator.api import AFDDeploymentSpec
 from afd_operator.planner import plan
-from afd_operator.policy import DEFAULT_METRICS_FROM, ClusterPolicy, NetworkIsolation
+from afd_operator.policy import DEFAULT_DNS_TO, DEFAULT_METRICS_FROM, ClusterPolicy, NetworkIsolation
 from afd_operator.render import image_version_label, render
 from afd_operator.revision import revision_of
 from afd_operator.validation import validate_object
@@ -227,10 +227,31 @@ def test_a_network_policy_per_instance_admits_its_own_pods_api_clients_and_scrap
                                                      for i in range(2)]
     own = {"matchLabels": {naming.LABEL_AFD_INSTANCE: nps[0]["metadata"]["name"]}}
     assert nps[0]["spec"] == {
-        "podSelector": own, "policyTypes": ["Ingress"],
+        "podSelector": own, "policyTypes": ["Ingress", "Egress"],
         "ingress": [{"from": [{"podSelector": own}]},
                     {"ports": [{"protocol": "TCP", "port": "api"}]},
-                    {"from": list(DEFAULT_METRICS_FROM), "ports": [{"protocol": "TCP", "port": "metrics"}]}]}
+                    {"from": list(DEFAULT_METRICS_FROM), "ports": [{"protocol": "TCP", "port": "metrics"}]}],
+        # Out: the instance and the cluster DNS only (no metadata endpoint, no other tenant).
+        "egress": [{"to": [{"podSelector": own}]},
+                   {"to": list(DEFAULT_DNS_TO), "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}]}
+    # The default scrapers are one namespace's Prometheus, not any namespace's pod labelled so.
+    (scraper,) = DEFAULT_METRICS_FROM
+    assert scraper["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+
+
+def test_the_admins_egress_grants_and_dns_peers_are_the_only_way_out() -> None:
+    grants = ({"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}], "ports": [{"protocol": "TCP", "port": 9000}]},)
+    dns = ({"ipBlock": {"cidr": "10.0.0.10/32"}},)
+    (np, _) = network_policies(spec_of(platform="cpu"),
+                               ClusterPolicy(network=NetworkIsolation(dns_to=dns, egress_to=grants)))
+    own = np["spec"]["podSelector"]
+    assert np["spec"]["egress"] == [{"to": [{"podSelector": own}]},
+                                    {"to": list(dns), "ports": [{"protocol": "UDP", "port": 53},
+                                                                {"protocol": "TCP", "port": 53}]},
+                                    *grants]
+    # No DNS peers: no DNS rule (an empty `to` would admit every destination on port 53).
+    (np, _) = network_policies(spec_of(platform="cpu"), ClusterPolicy(network=NetworkIsolation(dns_to=())))
+    assert np["spec"]["egress"] == [{"to": [{"podSelector": own}]}]
 
 
 def test_allowed_clients_restrict_the_api_port_and_scrapers_keep_their_way_in() -> None:

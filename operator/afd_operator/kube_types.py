@@ -335,3 +335,20 @@ class NetworkPolicyPeer(Strict):
         if selects == (self.ip_block is not None):
             raise ValueError("set podSelector and/or namespaceSelector, or ipBlock alone")
         return self
+
+
+class NetworkPolicyPort(Strict):
+    """networking.k8s.io/v1 NetworkPolicyPort: one port by number (an egress rule names the
+    peer's port, whose names the policy's namespace cannot know)."""
+
+    protocol: Literal["TCP", "UDP", "SCTP"] = "TCP"
+    port: Annotated[int, Field(ge=1, le=65535)]
+
+
+class NetworkPolicyEgressRule(Strict):
+    """networking.k8s.io/v1 NetworkPolicyEgressRule, with its peers and ports both required:
+    an admin's grant names where and on which ports."""
+
+    to: Annotated[list[NetworkPolicyPeer], Field(min_length=1, max_length=MAX_LIST_ITEMS)]
+    ports: Annotated[list[NetworkPolicyPort], Field(min_length=1, max_length=MAX_LIST_ITEMS)]
+

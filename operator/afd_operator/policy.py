@@ -13,14 +13,26 @@ from pydantic import ConfigDict, Field, ValidationError
 
 from .api import DEFAULT_DRIVER_HOST_PATHS, HCCN_CONF
 from .documents import MAX_FILE_BYTES, read_documents
-from .kube_types import MAX_LIST_ITEMS, AbsolutePath, DNSSubdomain, NetworkPolicyPeer, Strict, wire
+from .kube_types import (MAX_LIST_ITEMS, AbsolutePath, DNSSubdomain, NetworkPolicyEgressRule, NetworkPolicyPeer,
+                         Strict, wire)
 
 # The host paths the operator mounts read-only on platform ascend: the driver, dcmi, npu-smi
 # (ascend.driverHostPaths) and the NIC configuration (ascend.mountHccnConf).
 DEFAULT_ASCEND_HOST_PATHS = (*DEFAULT_DRIVER_HOST_PATHS, HCCN_CONF)
-# Prometheus pods, as the usual charts label them, in any namespace, may scrape FFN metrics.
+# The label every namespace carries with its own name (Kubernetes 1.21 and later).
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+# Prometheus pods, as the usual charts label them, of the namespace `monitoring` may scrape
+# metrics (the API port serves vLLM's /metrics too: a scraper peer reaches the OpenAI API). Not
+# any namespace: there any tenant could label a pod so.
 DEFAULT_METRICS_FROM: tuple[dict[str, Any], ...] = (
-    {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},)
+    {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: "monitoring"}},
+     "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},)
+# The cluster DNS, as kubeadm and most distributions label CoreDNS: the only egress outside the
+# instance that its pods need by default.
+DEFAULT_DNS_TO: tuple[dict[str, Any], ...] = (
+    {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: "kube-system"}},
+     "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}},)
+DNS_PORTS: tuple[dict[str, Any], ...] = ({"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53})
 
 
 @dataclass(frozen=True)
@@ -35,10 +47,13 @@ class HostAccess:
 
 @dataclass(frozen=True)
 class NetworkIsolation:
-    """chart value networkPolicy: one NetworkPolicy per instance, and who may scrape metrics."""
+    """chart value networkPolicy: one NetworkPolicy per instance; who may scrape metrics; where
+    the pods may connect besides their own instance (the cluster DNS, and the admin's grants)."""
 
     enabled: bool = True
     metrics_from: tuple[dict[str, Any], ...] = DEFAULT_METRICS_FROM
+    dns_to: tuple[dict[str, Any], ...] = DEFAULT_DNS_TO
+    egress_to: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,9 @@ class _NetworkPolicyValues(Strict):
     enabled: bool = True
     metrics_from: Annotated[list[NetworkPolicyPeer], Field(max_length=MAX_LIST_ITEMS)] = Field(
         default_factory=lambda: [NetworkPolicyPeer.model_validate(p) for p in DEFAULT_METRICS_FROM])
+    dns_to: Annotated[list[NetworkPolicyPeer], Field(max_length=MAX_LIST_ITEMS)] = Field(
+        default_factory=lambda: [NetworkPolicyPeer.model_validate(p) for p in DEFAULT_DNS_TO])
+    egress_to: Annotated[list[NetworkPolicyEgressRule], Field(max_length=MAX_LIST_ITEMS)] = Field(default_factory=list)
 
 
 class _ChartValues(Strict):
@@ -89,7 +107,9 @@ def policy_from_values(values: Any) -> ClusterPolicy:
         host_access=HostAccess(host_path_prefixes=tuple(host.host_path_prefixes),
                                ascend_host_paths=tuple(host.ascend_host_paths),
                                host_network=host.host_network, service_accounts=tuple(host.service_accounts)),
-        network=NetworkIsolation(enabled=net.enabled, metrics_from=tuple(wire(p) for p in net.metrics_from)))
+        network=NetworkIsolation(enabled=net.enabled, metrics_from=tuple(wire(p) for p in net.metrics_from),
+                                 dns_to=tuple(wire(p) for p in net.dns_to),
+                                 egress_to=tuple(wire(rule) for rule in net.egress_to)))
 
 
 def load_policy(path: str) -> ClusterPolicy:

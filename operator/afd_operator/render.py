@@ -30,7 +30,7 @@ from .planner import (ASCEND_HOST_VOLUME, HCCN_VOLUME, METRICS_VOLUME, MODEL_VOL
                       InstancePlan, Plan, PodPlan, operator_mounts, prestop_seconds, read_only_root,
                       uses_host_network)
 from .kube_types import wire
-from .policy import ClusterPolicy, NetworkIsolation
+from .policy import DNS_PORTS, ClusterPolicy, NetworkIsolation
 
 Obj = dict[str, Any]
 
@@ -376,11 +376,13 @@ def render_pdb(plan: Plan, instance: InstancePlan, owner: Optional[Obj] = None) 
 
 def render_network_policy(spec: AFDDeploymentSpec, plan: Plan, instance: InstancePlan, network: NetworkIsolation,
                           owner: Optional[Obj] = None) -> Obj:
-    """Ingress of the instance's pods: anything from pods of the same instance (the connector
-    rendezvous, DP RPC and FFN ports, and the ports the engines and the AFD process group pick
-    at run time), the API port from `service.allowedClients` (anyone when empty), the FFN
-    metrics port from the chart's `networkPolicy.metricsFrom`. Probes come from the node, which
-    NetworkPolicy always admits."""
+    """Traffic of the instance's pods. In: anything from pods of the same instance (the
+    connector rendezvous, DP RPC and FFN ports, and the ports the engines and the AFD process
+    group pick at run time), the API port from `service.allowedClients` (anyone when empty) and
+    the chart's `networkPolicy.metricsFrom`, the FFN metrics port from `metricsFrom`. Out: the
+    same instance, the cluster DNS (`dnsTo`) and the admin's `egressTo` grants only (no cloud
+    metadata endpoint, no other tenant). Probes come from the node, which NetworkPolicy always
+    admits. Membership (the instance label) is the operator's alone: membership.py."""
     def own() -> Obj:
         return {"matchLabels": {naming.LABEL_AFD_INSTANCE: instance.name}}
 
@@ -392,12 +394,16 @@ def render_network_policy(spec: AFDDeploymentSpec, plan: Plan, instance: Instanc
     if spec.metrics.enabled and network.metrics_from:
         ingress.append({"from": [dict(p) for p in network.metrics_from],
                         "ports": [{"protocol": "TCP", "port": "metrics"}]})
+    egress: list[Obj] = [{"to": [{"podSelector": own()}]}]
+    if network.dns_to:
+        egress.append({"to": [dict(p) for p in network.dns_to], "ports": [dict(p) for p in DNS_PORTS]})
+    egress += [json.loads(json.dumps(rule)) for rule in network.egress_to]
     labels = _merge_labels(naming.base_labels(plan.name, "network-policy"),
                            naming.instance_labels(plan.name, plan.revision, instance.index))
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": _meta(instance.name, plan.namespace, labels, owner),
-        "spec": {"podSelector": own(), "policyTypes": ["Ingress"], "ingress": ingress},
+        "spec": {"podSelector": own(), "policyTypes": ["Ingress", "Egress"], "ingress": ingress, "egress": egress},
     }
 
 

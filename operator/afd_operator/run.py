@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--webhook-listen", default="0.0.0.0", help="webhook listen address (default 0.0.0.0)")
     p.add_argument("--webhook-cert", help="TLS certificate (PEM) for the webhook")
     p.add_argument("--webhook-key", help="TLS private key (PEM) for the webhook")
+    p.add_argument("--operator-username", metavar="USER",
+                   help="the user the API server names this operator's requests by (in a cluster "
+                        "system:serviceaccount:NAMESPACE:NAME; the chart sets it): the webhook refuses pods "
+                        "with afd.inference.dev labels, or changes of those labels, from anyone else")
     p.add_argument("--webhook-configuration", metavar="NAME",
                    help="create and maintain this ValidatingWebhookConfiguration, a fully qualified name "
                         "such as validation.afd.inference.dev (default: none; "
@@ -59,11 +63,13 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
     webhook = None
     if args.webhook_port is not None:
         missing = [flag for flag, value in (("--webhook-host", args.webhook_host), ("--webhook-cert", args.webhook_cert),
-                                            ("--webhook-key", args.webhook_key)) if not value]
+                                            ("--webhook-key", args.webhook_key),
+                                            ("--operator-username", args.operator_username)) if not value]
         if missing:
             raise SystemExit(f"afd-operator: --webhook-port needs {', '.join(missing)}")
         webhook = WebhookConfig(port=args.webhook_port, host=args.webhook_host, certfile=args.webhook_cert,
-                                keyfile=args.webhook_key, listen_address=args.webhook_listen,
+                                keyfile=args.webhook_key, operator_username=args.operator_username,
+                                listen_address=args.webhook_listen,
                                 configuration_name=args.webhook_configuration)
     if args.resync_seconds <= 0:
         raise SystemExit("afd-operator: --resync-seconds must be > 0")

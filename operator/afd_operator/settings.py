@@ -21,6 +21,9 @@ class WebhookConfig:
     host: str  # the name or address the apiserver dials (must be in the certificate)
     certfile: str
     keyfile: str
+    # The user the API server names this operator's requests by: the only one that may create
+    # or relabel pods carrying afd.inference.dev labels (membership.py).
+    operator_username: str
     listen_address: str = "0.0.0.0"
     # When set, the operator creates and keeps this ValidatingWebhookConfiguration itself;
     # otherwise one is installed separately (the Helm chart does).

@@ -13,9 +13,8 @@
    deleting it leaves the first untouched;
 2. a bounded load generator (a completion every 5 s, model-list requests 4 times a second
    between them) runs against the Service while the AFDDeployment rolls to a new
-   topology (Attention DP 2 -> 1, FFN 2 ranks in one pod -> 4 over two pods), then to a new image
-   tag with the operator pod deleted mid-rollout: no request fails and no connector world ever
-   holds pods of two revisions;
+   topology (Attention DP 2 -> 1, FFN 2 ranks in one pod -> 4 over two pods), then to a new image tag
+   with the operator pod deleted mid-rollout: no request fails, no connector world mixes revisions;
 3. faults under load: an FFN container killed, an Attention pod deleted: the instance is
    recreated and serving returns; every failed request is counted and reported;
 4. Prometheus (Debian's), discovering targets from the real API, scrapes the operator, the FFN
@@ -39,8 +38,8 @@ from afd_devcluster.prometheus import prometheus_server, query
 from afd_devcluster.realnode import RealNode
 from afd_devcluster.realnode.images import RUNTIME_CPU_IMAGE, retag
 from afd_devcluster.realnode.prometheus_sd import TargetFeed, scrape_jobs
-from afd_devcluster.realnode.scenario import (DEPLOYMENT_LABEL, RELEASE, RELEASE_NAMESPACE, afd_pods, apply,
-                                              complete, delete_afd, get_afd, is_ready, models_dir, pods,
+from afd_devcluster.realnode.scenario import (DEPLOYMENT_LABEL, NODE_DNS_PEERS, RELEASE, RELEASE_NAMESPACE, afd_pods,
+                                              apply, complete, delete_afd, get_afd, is_ready, models_dir, pods,
                                               wait_serving, write_tiny_checkpoint)
 from afd_devcluster.tools import wait_for
 from serving_watch import (LABEL, NAME, NAMESPACE, READY_TIMEOUT_SECONDS, BackgroundLoop, Load, WorldWatch,
@@ -183,8 +182,8 @@ def instance_guard(real_node: RealNode, kind: str, instance: str) -> dict:
 def test_pods_run_restricted_behind_their_instances_guards(real_node: RealNode, served: dict) -> None:
     """The operator's defaults on platform cpu, as kubelet ran them: the image's unprivileged
     user on a read-only root with no capability and no service-account token; a PDB the
-    disruption controller counts in pods of the instance; a NetworkPolicy (stored: the bridge
-    CNI here enforces none, docs/testbed.md)."""
+    disruption controller counts in pods of the instance; a NetworkPolicy in and out (stored: the
+    bridge CNI here enforces none, docs/testbed.md; membership is enforced: test_operator_chart)."""
     pods = afd_pods(real_node, NAMESPACE, NAME)
     for pod in pods:
         spec, (container,) = pod["spec"], pod["spec"]["containers"]
@@ -205,6 +204,7 @@ def test_pods_run_restricted_behind_their_instances_guards(real_node: RealNode, 
     policy = instance_guard(real_node, "networkpolicy", instance)
     own = {"matchLabels": {LABEL + "instance": instance}}
     assert policy["spec"]["podSelector"] == own and policy["spec"]["ingress"][0] == {"from": [{"podSelector": own}]}
+    assert [rule["to"] for rule in policy["spec"]["egress"]] == [[{"podSelector": own}], list(NODE_DNS_PEERS)]
     isolated = next(c for c in get_afd(real_node, NAMESPACE, NAME)["status"]["conditions"]
                     if c["type"] == "NetworkIsolated")
     assert isolated["status"] == "True", isolated

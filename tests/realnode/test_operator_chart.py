@@ -1,5 +1,5 @@
 """The chart on the real node: `helm install` with the operator image built from images/, the
-operator running as a pod under the chart's ServiceAccount, its webhook reached through its
+operator running as a pod under the chart's ServiceAccount, its webhooks reached through its
 Service (the API server dials the Service, kube-proxy routes to the pod)."""
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ def test_operator_runs_as_a_pod_under_the_charts_service_account(real_node: Real
 def test_webhook_is_reached_through_its_service(real_node: RealNode, operator_release: tuple[str, str]) -> None:
     release, namespace = operator_release
     hooks = json.loads(real_node.kubectl("get", "validatingwebhookconfigurations", "-o", "json").stdout)["items"]
-    (client_config,) = [w["clientConfig"] for h in hooks for w in h["webhooks"]
-                        if h["metadata"]["name"].startswith(release)]
-    assert "url" not in client_config and client_config["service"]["namespace"] == namespace
+    configs = {w["name"]: w["clientConfig"] for h in hooks for w in h["webhooks"]
+               if h["metadata"]["name"].startswith(release)}
+    assert sorted(configs) == ["pod-membership-deployment.afd.inference.dev",
+                               "pod-membership-instance.afd.inference.dev", "validation.afd.inference.dev"]
+    assert all("url" not in c and c["service"]["namespace"] == namespace for c in configs.values()), configs
     bad = {"apiVersion": "afd.inference.dev/v1alpha1", "kind": "AFDDeployment",
            "metadata": {"name": "bad", "namespace": "default"},
            "spec": {"image": "x:1", "platform": "cpu",
@@ -42,3 +44,17 @@ def test_webhook_is_reached_through_its_service(real_node: RealNode, operator_re
     assert result.returncode != 0
     assert "denied the request" in result.stderr, result.stderr
     assert real_node.kubectl("get", "afd", "bad", "-n", "default", check=False).returncode != 0
+
+
+def test_no_pod_joins_an_instance_but_the_operators(real_node: RealNode, operator_release: tuple[str, str]) -> None:
+    """What a NetworkPolicy selector trusts is enforced by the API server whatever the CNI: a pod
+    labelled into an instance by anyone but the operator's ServiceAccount is refused."""
+    forged = {"apiVersion": "v1", "kind": "Pod",
+              "metadata": {"name": "forged", "namespace": "default",
+                           "labels": {"afd.inference.dev/instance": "tiny-cpu-0123456789-0"}},
+              "spec": {"containers": [{"name": "c", "image": "busybox:1"}]}}
+    result = real_node.kubectl("create", "--dry-run=server", "-f", "-", input_text=json.dumps(forged), check=False)
+    assert result.returncode != 0 and "pod-membership-instance.afd.inference.dev" in result.stderr, result.stderr
+    assert "are set by the afd-operator alone" in result.stderr, result.stderr
+    forged["metadata"]["labels"] = {"app": "other"}
+    assert real_node.kubectl("create", "--dry-run=server", "-f", "-", input_text=json.dumps(forged)).returncode == 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from afd_devcluster.checkpoints import write_vllm_checkpoint
 from afd_devcluster.realnode.images import OPERATOR_IMAGE
-from afd_devcluster.realnode.node import REPO_ROOT, RealNode
+from afd_devcluster.realnode.node import NODE_IP, REPO_ROOT, RealNode
 from afd_devcluster.tools import Helm, wait_for
 
 RELEASE, RELEASE_NAMESPACE = "afd-operator", "afd-system"
@@ -19,6 +19,8 @@ DEPLOYMENT_LABEL = "afd.inference.dev/deployment"
 # Token ids (the tiny checkpoint's word-level vocabulary has 128): a prefill and several decode steps.
 PROMPT = [5, 17, 33, 9, 64, 21]
 MAX_TOKENS = 12
+# The chart's networkPolicy.dnsTo here: dnsmasq answers on the node address, not in a kube-system pod.
+NODE_DNS_PEERS = ({"ipBlock": {"cidr": f"{NODE_IP}/32"}},)
 
 
 def node_helm(node: RealNode, home: Path) -> Helm:
@@ -32,13 +34,16 @@ def models_dir(node: RealNode) -> Path:
 
 def install_operator(node: RealNode, helm: Helm) -> None:
     """`helm install` of the chart with the operator image built from images/operator, host
-    paths allowed under models_dir only, then wait until the API server reaches the webhook:
+    paths allowed under models_dir only, the cluster DNS where this node serves it, then wait until
+    the API server reaches the webhook:
     `--wait` ends when the pod is Ready, a moment before kube-proxy routes the webhook Service
     to it, and until then every AFDDeployment write is refused (failurePolicy Fail)."""
     repository, tag = OPERATOR_IMAGE.rsplit(":", 1)
     helm("install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE, "--create-namespace",
          "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
-         "--set", f"hostAccess.hostPathPrefixes={{{models_dir(node)}}}", "--wait", "--timeout", "5m")
+         "--set", f"hostAccess.hostPathPrefixes={{{models_dir(node)}}}",
+         "--set-json", f"networkPolicy.dnsTo={json.dumps(list(NODE_DNS_PEERS))}",
+         "--wait", "--timeout", "5m")
     invalid = {"apiVersion": "afd.inference.dev/v1alpha1", "kind": "AFDDeployment",
                "metadata": {"name": "webhook-probe", "namespace": RELEASE_NAMESPACE},
                "spec": {"image": "probe:1", "platform": "cpu", "model": {"name": "m", "path": "/m", "routedExperts": 8},

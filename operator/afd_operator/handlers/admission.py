@@ -1,6 +1,7 @@
-"""Validating admission: `validate_object` (schema, cross-field rules, the cluster's
-host-access policy, and the plugin's own parser on every pod's afd block), every problem listed
-with its field path (registered by main.register when a webhook server is configured)."""
+"""Validating admission (registered by main.register when a webhook server is configured):
+AFDDeployments through `validate_object` (schema, cross-field rules, the cluster's host-access
+policy, and the plugin's own parser on every pod's afd block), every problem listed with its field
+path; pods through `membership_refusal` (only the operator makes a pod an instance's member)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any, Optional
 
 import kopf
 
+from ..membership import membership_refusal
 from ..validation import validate_object
 
 
@@ -23,3 +25,11 @@ def validate_afddeployment(body: kopf.Body, memo: kopf.Memo, operation: Optional
     _, problems = validate_object(obj, memo.config.policy)
     if problems:
         raise kopf.AdmissionError("invalid AFDDeployment:\n" + "\n".join(str(p) for p in problems), code=422)
+
+
+def guard_pod_membership(body: kopf.Body, memo: kopf.Memo, userinfo: kopf.UserInfo, operation: Optional[str] = None,
+                         old: Optional[kopf.Body] = None, **_: Any) -> None:
+    refusal = membership_refusal(operation, str(userinfo.get("username", "")), memo.config.webhook.operator_username,
+                                 old.metadata.labels if old is not None else None, body.metadata.labels)
+    if refusal:
+        raise kopf.AdmissionError(refusal, code=403)
