@@ -5,14 +5,30 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import yaml
+from kubernetes_validate.utils import all_versions
 
 from afd_devcluster.tools import Helm, wait_for  # noqa: F401  (re-exported for the tests)
+
+# Rendered objects must be what every supported Kubernetes accepts: 1.28 to the newest release
+# whose schemas kubernetes-validate ships (the test bed's API server is 1.20).
+SCHEMA_VERSIONS = tuple(sorted({v for v in all_versions() if tuple(map(int, v.split(".")[:2])) >= (1, 28)},
+                               key=lambda v: tuple(map(int, v.split(".")))))
+
+
+def validate_built_in(obj: dict[str, Any]) -> None:
+    """`obj` against the upstream OpenAPI schema of every version in SCHEMA_VERSIONS (strict:
+    unknown fields too)."""
+    for version in SCHEMA_VERSIONS:
+        kubernetes_validate.validate(obj, version, strict=True)
 
 
 # The chart values the examples need from a cluster admin (docs/install.md, "Host access", shows
 # them; tests/test_host_access.py checks the two agree).
-EXAMPLES_HOST_ACCESS = {"hostAccess": {"hostPathPrefixes": ["/srv/models", "/data/models"], "hostNetwork": True}}
+EXAMPLES_HOST_ACCESS = {"hostAccess": {"hostPathPrefixes": ["/srv/models", "/data/models"], "hostNetwork": True,
+                                        "priorityClassNames": ["high-priority-inference"],
+                                        "tolerationKeys": ["huawei.com/Ascend910"]}}
 
 
 class _Delete:

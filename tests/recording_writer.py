@@ -51,10 +51,15 @@ class RecordingWriter:
         # (verb, kind, name) -> the ApiWriteError that write meets, or None to let it through
         self.refuse: Callable[[str, str, str], Optional[ApiWriteError]] = lambda verb, kind, name: None
         self._versions = itertools.count(1)
+        self.kubernetes_version = (1, 30)  # what server_version answers
+        self.served = set(SERVED)  # kinds the "server" has (add PodMonitor, PodGroup to test them)
 
     # -- the Writer interface -----------------------------------------------------------------
     def serves(self, api_version: str, kind: str) -> bool:
-        return kind in SERVED
+        return kind in self.served
+
+    def server_version(self) -> tuple[int, int]:
+        return self.kubernetes_version
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> Optional[dict[str, Any]]:
         found = self.objects.get((kind, namespace, name))

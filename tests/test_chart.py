@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-import kubernetes_validate
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
@@ -26,18 +25,17 @@ from afd_devcluster import ControlPlane, FakeKubelet, free_port
 from afd_devcluster.operator_process import OperatorProcess
 from afd_operator.metrics import OperatorMetrics
 from afd_shared_experts.metrics import RuntimeMetrics
-from k8s_helpers import Helm, service_account_kubeconfig, wait_for
+from k8s_helpers import Helm, service_account_kubeconfig, validate_built_in, wait_for
 
 CHART = "charts/afd-operator"
 CRD_FILE = "afd.inference.dev_afddeployments.yaml"
-KUBERNETES_SCHEMA_VERSION = "1.30"
 # The release docs/install.md installs.
 RELEASE, RELEASE_NS, DEMO_NS = "afd-operator", "afd-system", "afd-demo"
 SERVICE_ACCOUNT = f"system:serviceaccount:{RELEASE_NS}:{RELEASE}"
 
 # Every rule the operator needs in a watched namespace (the chart's Role/ClusterRole).
 NAMESPACED_RULES = [
-    {"apiGroups": ["afd.inference.dev"], "resources": ["afddeployments"], "verbs": ["list", "watch", "patch"]},
+    {"apiGroups": ["afd.inference.dev"], "resources": ["afddeployments"], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": ["afd.inference.dev"], "resources": ["afddeployments/status"], "verbs": ["patch"]},
     {"apiGroups": [""], "resources": ["pods", "services"],
      "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
@@ -167,37 +165,6 @@ def test_deployment_is_one_hardened_operator(helm4: Helm, repo_root: Path) -> No
     assert not [a for a in args if a.startswith("--webhook-configuration")], "the chart owns the configuration"
 
 
-def test_webhook_certificate_serves_the_service_name(helm4: Helm, repo_root: Path, tmp_path: Path) -> None:
-    objects = render(helm4, repo_root)
-    (secret,) = find(objects, "Secret")
-    (config,) = find(objects, "ValidatingWebhookConfiguration")
-    # kopf serves each handler at /<its id> (main.register); the pod webhooks see only pods with
-    # one of the guarded labels.
-    hooks = {w["name"]: w for w in config["webhooks"]}
-    assert {name: (w["clientConfig"]["service"]["path"], w["rules"][0]["resources"], w.get("objectSelector"))
-            for name, w in hooks.items()} == {
-        "validation.afd.inference.dev": ("/afddeployment-validation", ["afddeployments"], None),
-        **{f"pod-membership-{label}.afd.inference.dev": (
-            f"/pod-membership-{label}", ["pods"],
-            {"matchExpressions": [{"key": f"afd.inference.dev/{label}", "operator": "Exists"}]})
-           for label in ("deployment", "instance")}}
-    for webhook in hooks.values():
-        assert webhook["clientConfig"]["service"]["name"] == f"{RELEASE}-webhook"
-        assert webhook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
-        assert webhook["rules"][0]["operations"] == ["CREATE", "UPDATE"] and webhook["failurePolicy"] == "Fail"
-    (deployment,) = find(objects, "Deployment")
-    assert (f"--operator-username=system:serviceaccount:{RELEASE_NS}:{RELEASE}"
-            in deployment["spec"]["template"]["spec"]["containers"][0]["args"])
-    ca, cert = tmp_path / "ca.crt", tmp_path / "tls.crt"
-    ca.write_bytes(base64.b64decode(secret["data"]["ca.crt"]))
-    cert.write_bytes(base64.b64decode(secret["data"]["tls.crt"]))
-    # What the apiserver checks: the serving certificate chains to caBundle, for the Service's name.
-    verify = subprocess.run(["openssl", "verify", "-CAfile", str(ca), "-purpose", "sslserver",
-                             "-verify_hostname", f"{RELEASE}-webhook.{RELEASE_NS}.svc", str(cert)],
-                            capture_output=True, text=True)
-    assert verify.returncode == 0, verify.stdout + verify.stderr
-
-
 def operator_metric_names() -> set[str]:
     names: set[str] = set()
     for registry in (OperatorMetrics(CollectorRegistry()).registry, RuntimeMetrics("ffn", CollectorRegistry()).registry):
@@ -247,7 +214,7 @@ def test_rendered_objects_are_valid(helm: Helm, repo_root: Path, dry_run_cluster
                o["apiVersion"].split("/")[0].endswith(".k8s.io")]
     assert len(builtin) >= 4  # ServiceAccount, ClusterRole, its binding, Deployment at least
     for obj in builtin:
-        kubernetes_validate.validate(obj, KUBERNETES_SCHEMA_VERSION, strict=True)
+        validate_built_in(obj)
     manifest = "\n---\n".join(yaml.safe_dump(o) for o in objects)
     result = dry_run_cluster.kubectl("apply", "--dry-run=server", "-f", "-", input_text=manifest, check=False)
     assert result.returncode == 0, result.stderr
@@ -402,7 +369,8 @@ def test_a_squatted_name_is_a_name_conflict_under_the_charts_rbac(walkthrough: W
 
 
 # (verb, resource, subresource): kubectl would read "pods/exec" as the pod named "exec".
-CAN = [("list", "afddeployments.afd.inference.dev", ""), ("watch", "afddeployments.afd.inference.dev", ""),
+CAN = [("get", "afddeployments.afd.inference.dev", ""),
+       ("list", "afddeployments.afd.inference.dev", ""), ("watch", "afddeployments.afd.inference.dev", ""),
        ("patch", "afddeployments.afd.inference.dev", ""), ("patch", "afddeployments.afd.inference.dev", "status"),
        ("create", "pods", ""), ("patch", "pods", ""), ("delete", "pods", ""), ("watch", "pods", ""),
        ("create", "services", ""), ("patch", "services", ""), ("delete", "services", ""),
@@ -457,6 +425,24 @@ def test_chart_webhook_rejects_an_invalid_afddeployment(walkthrough: Walkthrough
     assert result.returncode != 0
     assert 'admission webhook "validation.afd.inference.dev" denied the request' in result.stderr, result.stderr
     assert "spec.ffn.ranks: must divide model.routedExperts (8)" in result.stderr
+
+
+def test_chart_webhook_judges_a_scale(walkthrough: Walkthrough, repo_root: Path) -> None:
+    """`kubectl scale` writes only /scale; the replica count enters the rollout budget's rule."""
+    doc = yaml.safe_load((repo_root / "examples" / "cpu-tiny.yaml").read_text())
+    doc["metadata"]["name"] = "scaled"
+    doc["spec"].update(replicas=2, updateStrategy={"maxSurge": "0%", "maxUnavailable": "50%"})
+    walkthrough.cluster.kubectl("apply", "-n", DEMO_NS, "-f", "-", input_text=yaml.safe_dump(doc))
+    try:
+        refused = walkthrough.cluster.kubectl("scale", "afd", "scaled", "-n", DEMO_NS, "--replicas=1", check=False)
+        assert refused.returncode != 0, refused.stdout
+        assert 'admission webhook "scale-validation.afd.inference.dev" denied the request' in refused.stderr
+        assert "spec.updateStrategy.maxUnavailable: maxSurge and maxUnavailable must not both be 0" in refused.stderr
+        walkthrough.cluster.kubectl("scale", "afd", "scaled", "-n", DEMO_NS, "--replicas=4")
+        stored = json.loads(walkthrough.cluster.kubectl("get", "afd", "scaled", "-n", DEMO_NS, "-o", "json").stdout)
+        assert stored["spec"]["replicas"] == 4
+    finally:
+        walkthrough.cluster.kubectl("delete", "afd", "scaled", "-n", DEMO_NS, "--timeout=60s", check=False)
 
 
 def test_uninstall_keeps_the_crd(walkthrough: Walkthrough, repo_root: Path) -> None:

@@ -186,6 +186,32 @@ def test_startup_timeout_and_unschedulable_reason() -> None:
     assert d.instances[0].phase == "Failed" and d.instances[0].last_failure.startswith("Unschedulable")
 
 
+def test_a_pod_that_cannot_start_fails_its_instance_at_once_naming_the_cause() -> None:
+    """ImagePullBackOff and the like say why a pod will never start: the instance fails with that
+    cause now (and is recreated on the recovery backoff), not with a StartupTimeout much later."""
+    def waiting(reason: str, message: str = "") -> Optional[str]:
+        body = {"metadata": {"name": "x-abc-0-ffn-0", "labels": {
+                    "afd.inference.dev/instance": "x-abc-0", "afd.inference.dev/revision": "abc",
+                    "afd.inference.dev/role": "ffn", "afd.inference.dev/pod-ordinal": "0"}},
+                "status": {"phase": "Pending", "containerStatuses": [
+                    {"name": "ffn", "state": {"waiting": {"reason": reason, "message": message}}}]}}
+        return summarize_pod(body).cannot_start
+
+    pulled = waiting("ImagePullBackOff", 'Back-off pulling image "runtime:v9"')
+    assert pulled == 'container ffn ImagePullBackOff: Back-off pulling image "runtime:v9"'
+    assert waiting("CreateContainerConfigError", 'secret "hf" not found') == (
+        'container ffn CreateContainerConfigError: secret "hf" not found')
+    # A first pull error may pass (kubelet retries it), and so does an ordinary start.
+    assert waiting("ErrImagePull", "i/o timeout") is None and waiting("ContainerCreating") is None
+
+    spec = spec_of(startup={"timeoutSeconds": 1800})
+    pods = pods_of(spec, 0, "pending")
+    pods[0] = replace(pods[0], scheduled=True, cannot_start=pulled)
+    d = run(spec, pods, [record(spec, 0, "Pending")])
+    assert d.instances[0].phase == "Failed"
+    assert d.instances[0].last_failure == f"pod {pods[0].name} cannot start: {pulled}"
+
+
 def test_scale_down_drains_highest_index_in_order() -> None:
     spec = spec_of(replicas=1)
     pods = pods_of(spec, 0, "ready", serving=True) + pods_of(spec, 1, "ready", serving=True)

@@ -30,15 +30,22 @@ def draining_head(name: str, port: int) -> ObservedPod:
                        pod_ip="127.0.0.1", api_port=port)
 
 
-def test_endpoint_pods_are_the_pod_targets_of_a_slice() -> None:
-    body = {"endpoints": [
+def test_endpoint_pods_are_the_pod_targets_of_a_slice_of_the_service() -> None:
+    of_service = {"ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": "d", "uid": "s1",
+                                       "controller": True}]}
+    body = {"metadata": of_service, "endpoints": [
         {"addresses": ["10.0.0.1"], "targetRef": {"kind": "Pod", "name": "head-a"}},
         {"addresses": ["10.0.0.2"], "conditions": {"terminating": True}, "targetRef": {"kind": "Pod", "name": "head-b"}},
         {"addresses": ["10.0.0.3"], "targetRef": {"kind": "Node", "name": "node-0"}},
         {"addresses": ["10.0.0.4"]},
     ]}
-    assert endpoint_pods(body) == {"head-a", "head-b"}
-    assert endpoint_pods({"endpoints": None}) == frozenset()
+    assert endpoint_pods(body, "d") == {"head-a", "head-b"}
+    assert endpoint_pods({"metadata": of_service, "endpoints": None}, "d") == frozenset()
+    # A slice with the labels copied but made by someone else, or for another Service: ignored.
+    assert endpoint_pods({**body, "metadata": {}}, "d") is None
+    assert endpoint_pods(body, "other") is None
+    not_controller = {"ownerReferences": [{**of_service["ownerReferences"][0], "controller": False}]}
+    assert endpoint_pods({**body, "metadata": not_controller}, "d") is None
 
 
 def test_an_idle_head_still_listed_by_an_endpoint_keeps_draining(metrics: FakeVllmMetrics) -> None:

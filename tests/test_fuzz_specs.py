@@ -87,6 +87,25 @@ OTHER_PIECES: list[tuple[str, Any]] = [
     ("spec.updateStrategy", {"maxSurge": "100%", "maxUnavailable": 1}),
     ("spec.replicas", 3),
     ("metadata.name", "z" * 38),
+    # Names that extend another deployment's generated names (an instance, a pod, a snapshot).
+    ("metadata.name", "tiny-cpu-b28c05ba4c-0"),
+    ("metadata.name", "deepseek-v3-0123456789-0-attn"),
+    ("metadata.name", "tiny-cpu-b28c05ba4c-runtime"),
+    # Operator-owned engine flags in the spellings vLLM's parser reads.
+    ("spec.attention.engineArgs", ["--tensor_parallel_size=8"]),
+    ("spec.attention.engineArgs", ["--data-parallel-address", "10.0.0.1"]),
+    ("spec.attention.engineArgs", ["--additional-config.afd.host=evil"]),
+    ("spec.attention.engineArgs", ["--config", "override.yaml"]),
+    ("spec.attention.engineArgs", ["--tensor-parallel", "8"]),
+    ("spec.attention.engineArgs", ["-tp=8"]),
+    ("spec.attention.engineArgs", ["-dpa", "10.0.0.1"]),
+    # Sizes past what the API server or the operator's bookkeeping holds.
+    ("spec.ffn.env", [{"name": f"BLOB_{i}", "value": "x" * 30_000} for i in range(10)]),
+    ("spec.attention.podTemplate.annotations", {f"example.com/blob-{i}": "y" * 60_000 for i in range(5)}),
+    # What the cluster's host-access policy governs beyond the node.
+    ("spec.service.type", "LoadBalancer"),
+    ("spec.scheduling", {"priorityClassName": "system-node-critical"}),
+    ("spec.attention.podTemplate.volumes", [{"name": "token", "secret": {"secretName": "default-token-abcde"}}]),
 ]
 
 

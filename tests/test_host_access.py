@@ -1,6 +1,7 @@
 """Host access is the cluster admin's decision: the chart's hostAccess values (secure defaults)
-decide which host paths, host networking and service accounts AFDDeployments may use; the
-webhook and the operator refuse anything else, naming the field and the chart value."""
+decide which host paths, host networking, service accounts, service types, priority classes,
+tolerations and Secrets AFDDeployments may use; the webhook and the operator refuse anything
+else, naming the field and the chart value."""
 
 from __future__ import annotations
 
@@ -63,6 +64,8 @@ def test_the_chart_hands_its_values_to_the_operator(repo_root: Path, tmp_path: P
     ("hostAccess.hostPathPrefixes={relative/path}", "hostPathPrefixes"),
     ("hostAccess.serviceAccounts={Not_A_Name}", "serviceAccounts"),
     ("hostAccess.hostNetwork=maybe", "hostNetwork"),
+    ("hostAccess.serviceTypes={ExternalName}", "serviceTypes"),
+    ("hostAccess.secretNames={Bad_Name}", "secretNames"),
 ])
 def test_chart_schema_refuses_bad_host_access_values(repo_root: Path, tmp_path: Path, value: str, field: str) -> None:
     helm = Helm(repo_root, "4", tmp_path / "helm-home")
@@ -98,6 +101,50 @@ def test_pod_template_host_paths_and_service_accounts_are_checked_per_role() -> 
     assert problems(obj, HostAccess(host_path_prefixes=("/var/cache",), service_accounts=("builder",))) == []
 
 
+def test_service_type_priority_tolerations_and_secrets_need_the_admins_grant() -> None:
+    obj = cpu_base()
+    obj["spec"]["service"] = {"type": "LoadBalancer"}
+    obj["spec"]["scheduling"] = {"priorityClassName": "system-node-critical"}
+    obj["spec"]["attention"]["podTemplate"] = {
+        "tolerations": [{"key": "gpu", "operator": "Exists"}, {"operator": "Exists"}],
+        "volumes": [{"name": "creds", "secret": {"secretName": "default-token-x7k2p"}}],
+        "volumeMounts": [{"name": "creds", "mountPath": "/creds", "readOnly": True}]}
+    obj["spec"]["ffn"]["env"] = [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "db", "key": "password"}}},
+                                 {"name": "LEVEL", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "l"}}}]
+    assert problems(obj) == [
+        "spec.service.type: 'LoadBalancer' is not allowed in this cluster (chart value hostAccess.serviceTypes: "
+        "ClusterIP)",
+        "spec.scheduling.priorityClassName: 'system-node-critical' is not allowed in this cluster (chart value "
+        "hostAccess.priorityClassNames: none)",
+        "spec.attention.podTemplate.tolerations[0].key: tolerating 'gpu' is not allowed in this cluster (chart "
+        "value hostAccess.tolerationKeys: none)",
+        "spec.attention.podTemplate.tolerations[1].key: tolerating every taint (no key) is not allowed in this "
+        "cluster (chart value hostAccess.tolerationKeys: none)",
+        "spec.attention.podTemplate.volumes[0].secret.secretName: Secret 'default-token-x7k2p' is not allowed in "
+        "this cluster (chart value hostAccess.secretNames: none)",
+        "spec.ffn.env[0].valueFrom.secretKeyRef.name: Secret 'db' is not allowed in this cluster (chart value "
+        "hostAccess.secretNames: none)"]
+    granted = HostAccess(service_types=("ClusterIP", "LoadBalancer"), priority_class_names=("system-node-critical",),
+                         toleration_keys=("gpu",), secret_names=("default-token-x7k2p", "db"))
+    assert problems(obj, granted) == [
+        "spec.attention.podTemplate.tolerations[1].key: tolerating every taint (no key) is not allowed in this "
+        "cluster (chart value hostAccess.tolerationKeys: gpu)"]
+    del obj["spec"]["attention"]["podTemplate"]["tolerations"][1]
+    assert problems(obj, granted) == []
+
+
+def test_the_chart_grants_reach_the_policy(repo_root: Path, tmp_path: Path) -> None:
+    values = {"hostAccess": {"serviceTypes": ["ClusterIP", "NodePort"], "priorityClassNames": ["batch"],
+                             "tolerationKeys": ["huawei.com/Ascend910"], "secretNames": ["hf"]}}
+    access = policy_from_values(values).host_access
+    assert (access.service_types, access.priority_class_names, access.toleration_keys, access.secret_names) == (
+        ("ClusterIP", "NodePort"), ("batch",), ("huawei.com/Ascend910",), ("hf",))
+    with pytest.raises(PolicyError, match=r"^hostAccess.serviceTypes.0: Input should be 'ClusterIP'"):
+        policy_from_values({"hostAccess": {"serviceTypes": ["ExternalName"]}})
+    with pytest.raises(PolicyError, match=r"^hostAccess.tolerationKeys.0: "):
+        policy_from_values({"hostAccess": {"tolerationKeys": [""]}})
+
+
 def test_host_network_and_ascend_driver_paths() -> None:
     obj = ascend_base()
     assert problems(obj) == ["spec.ascend.hostNetwork: host networking is not allowed in this cluster (chart value "
@@ -110,6 +157,11 @@ def test_host_network_and_ascend_driver_paths() -> None:
     assert problems(obj, HostAccess(ascend_host_paths=("/usr/local/Ascend",))) == [
         "spec.ascend.mountHccnConf: host path '/etc/hccn.conf' is not allowed in this cluster (chart value "
         "hostAccess.ascendHostPaths: /usr/local/Ascend)"]
+    # Root on Ascend is the admin's grant.
+    obj["spec"]["ascend"] = {"hostNetwork": False, "runAsRoot": True}
+    assert problems(obj) == ["spec.ascend.runAsRoot: root with DAC_OVERRIDE on a writable root filesystem is not "
+                             "allowed in this cluster (chart value hostAccess.ascendRunAsRoot: false); set it to false"]
+    assert problems(obj, HostAccess(ascend_run_as_root=True)) == []
     # The Ascend allowances mean nothing on the cpu platform, where nothing of the driver is mounted.
     cpu = cpu_base()
     cpu["spec"]["model"]["volume"] = {"hostPath": "/usr/local/Ascend/driver", "mountPath": "/models"}

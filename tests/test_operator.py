@@ -293,13 +293,15 @@ def test_unschedulable_surge_is_reported_not_awaited(env: Env) -> None:
 def api_endpoint_slice(env: Env, deployment: str, head: Any) -> dict[str, Any]:
     """The API Service's EndpointSlice listing `head`, as the EndpointSlice controller writes it
     (the control-plane tier runs no controller-manager): the Service's labels copied, plus
-    kubernetes.io/service-name."""
+    kubernetes.io/service-name, and the Service as its controller."""
     service = env.core.read_namespaced_service(naming.api_service_name(deployment), env.ns)
     served = env.cluster.kubectl("api-versions").stdout.split()
     version = "discovery.k8s.io/v1" if "discovery.k8s.io/v1" in served else "discovery.k8s.io/v1beta1"
     return {"apiVersion": version, "kind": "EndpointSlice",
             "metadata": {"name": f"{service.metadata.name}-slice", "namespace": env.ns,
-                         "labels": {**service.metadata.labels, naming.LABEL_SERVICE_NAME: service.metadata.name}},
+                         "labels": {**service.metadata.labels, naming.LABEL_SERVICE_NAME: service.metadata.name},
+                         "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": service.metadata.name,
+                                              "uid": service.metadata.uid, "controller": True}]},
             "addressType": "IPv4",
             "endpoints": [{"addresses": [head.status.pod_ip], "conditions": {"ready": False},
                            "targetRef": {"kind": "Pod", "name": head.metadata.name, "namespace": env.ns}}],

@@ -11,7 +11,7 @@ import pytest
 
 from afd_operator.api import MAX_ROLE_RANKS
 from afd_operator.managers.snapshots import layouts
-from afd_operator.observe import (MAX_PLAN_SUMMARY_BYTES, Observed, controller_uid, owned_by, plan_summary,
+from afd_operator.observe import (MAX_PLAN_SUMMARY_BYTES, Observed, controller_uid, owned_by, read_plan_summary,
                                   summarize_object, summarize_pod)
 
 GOOD = {"revision": "r1", "topology": "t", "attentionRanks": 2, "attentionPods": 1, "ffnRanks": 2, "ffnPods": 2}
@@ -25,7 +25,7 @@ def configmap(plan: object, uid: str = "u1", revision: str = "r1") -> dict:
 
 
 def test_the_operators_own_summary_reads_back_whole():
-    assert plan_summary(configmap(GOOD)["data"]) == GOOD
+    assert read_plan_summary(configmap(GOOD)["data"]) == (GOOD, None)
     assert layouts(Observed(pods=(), objects=(summarize_object("ConfigMap", configmap(GOOD)),))) == {
         "r1": {"ffn": 2, "attention": 1}}
 
@@ -45,12 +45,15 @@ def test_the_operators_own_summary_reads_back_whole():
 ])
 def test_a_tampered_summary_is_ignored_not_trusted(plan):
     observed = Observed(pods=(), objects=(summarize_object("ConfigMap", configmap(plan)),))
-    assert observed.objects[0].spec == {}
+    assert observed.objects[0].spec == {} and observed.objects[0].problem
     assert layouts(observed) == {}
 
 
 def test_data_of_the_wrong_shape_reads_as_nothing():
-    assert plan_summary(None) == {} and plan_summary({"plan.json": 7}) == {} and plan_summary("x") == {}
+    for data in (None, {"plan.json": 7}, "x"):
+        assert read_plan_summary(data) == ({}, "data has no plan.json string")
+    # Within the size bound, nesting deeper than the interpreter's recursion limit is still refused.
+    assert read_plan_summary({"plan.json": "[" * 2000 + "]" * 2000}) == ({}, "plan.json is not JSON")
 
 
 def test_only_children_the_deployment_controls_by_uid_are_its_own():

@@ -279,3 +279,66 @@ def test_one_reconciliation_hashes_the_spec_and_plans_once(monkeypatch: pytest.M
     while "a" not in ns.gone:
         assert reconciles < 100, "not torn down"
         one_round()
+
+
+def test_a_tampered_snapshot_is_reported_once_and_written_anew() -> None:
+    """Someone who may write ConfigMaps recreates the current revision's snapshot (it is immutable)
+    with a plan summary the operator did not write: a condition and one event name it, the
+    operator replaces it, and nothing else is disturbed."""
+    ns = Namespace({"a": spec()})
+    ns.until(lambda: ns.ready("a"), "Ready")
+    key = ("ConfigMap", NS, naming.runtime_configmap_name("a", revision(spec())))
+    pods = {p.name for p in ns.writer.observed(NS, "a").pods}
+    ns.writer.objects[key]["data"] = {"plan.json": json.dumps({"ffnPods": 10**12, "attentionPods": 1})}
+    events = len(ns.writer.events)
+    ns.round()
+    cond = ns.condition("a", ConditionType.SNAPSHOT_UNREADABLE)
+    assert cond is not None and cond["status"] == "True" and cond["reason"] == "PlanSummaryUnreadable"
+    assert cond["message"].startswith(f"ConfigMap {key[2]}: plan.json ffnPods must be an integer in [1, "), cond
+    assert [(t, r) for _, t, r, _ in ns.writer.events[events:]] == [("Warning", "SnapshotUnreadable")]
+    ns.until(lambda: ns.condition("a", ConditionType.SNAPSHOT_UNREADABLE) is None, "the snapshot written anew")
+    assert json.loads(ns.writer.objects[key]["data"]["plan.json"])["ffnPods"] == 1
+    assert len(ns.writer.events) == events + 1
+    assert ns.ready("a") and {p.name for p in ns.writer.observed(NS, "a").pods} == pods
+
+
+@pytest.mark.parametrize("server, policy", [((1, 30), "AlwaysAllow"), ((1, 20), None)])
+def test_budgets_let_unready_pods_go_where_the_server_keeps_that_field(server: tuple[int, int],
+                                                                       policy: Optional[str]) -> None:
+    """A server older than 1.27 drops unhealthyPodEvictionPolicy: the operator leaves it out there,
+    or it would patch every budget again every round."""
+    ns = Namespace({"a": spec()})
+    ns.writer.kubernetes_version = server
+    ns.until(lambda: ns.ready("a"), "Ready")
+    writes = len(ns.writer.calls)
+    for _ in range(3):
+        ns.round()
+    (budget,) = [body for (kind, _, _), body in ns.writer.objects.items() if kind == "PodDisruptionBudget"]
+    assert budget["spec"].get("unhealthyPodEvictionPolicy") == policy
+    assert [c for c in ns.writer.calls[writes:] if c.kind == "PodDisruptionBudget"] == []
+
+
+@pytest.mark.parametrize("kind", ["PodMonitor", "PodGroup"])
+def test_a_squatted_pod_monitor_or_pod_group_is_a_name_conflict_never_patched_or_deleted(kind: str) -> None:
+    """Kinds no watch cache holds are read before they are written: one of the wanted name that
+    another owner (or nobody) controls is a NameConflict; it is left as it is, also when the
+    deployment stops wanting that kind or is deleted."""
+    data = {**spec(), "metrics": {"podMonitor": True}} if kind == "PodMonitor" else \
+        {**spec(), "scheduling": {"gang": {"provider": "volcano"}}}
+    ns = Namespace({"a": data})
+    ns.writer.served |= {"PodMonitor", "PodGroup"}
+    name = "a" if kind == "PodMonitor" else naming.instance_name("a", revision(data), 0)
+    api_version = "monitoring.coreos.com/v1" if kind == "PodMonitor" else "scheduling.volcano.sh/v1beta1"
+    squatted = {"apiVersion": api_version, "kind": kind, "metadata": {"name": name, "namespace": NS},
+                "spec": {"selector": {"matchLabels": {"app": "elsewhere"}}}}
+    ns.writer.objects[(kind, NS, name)] = json.loads(json.dumps(squatted))
+    ns.round()
+    cond = ns.condition("a", ConditionType.NAME_CONFLICT)
+    assert cond is not None and cond["message"].startswith(
+        f"{kind} {name} exists and is controlled by nothing (no controller reference)"), cond
+    assert ns.writer.objects[(kind, NS, name)] == squatted
+    ns.specs["a"] = spec()  # neither a PodMonitor nor gang scheduling wanted any more
+    ns.until(lambda: ns.ready("a"), "Ready without the squatted kind")
+    ns.deleting.add("a")
+    ns.until(lambda: "a" in ns.gone, "torn down")
+    assert ns.writer.objects[(kind, NS, name)] == squatted

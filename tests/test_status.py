@@ -48,6 +48,8 @@ def every_kind_of_status() -> list[dict[str, Any]]:
     """A status from each builder, through each of their branches."""
     statuses = [built(d, network=n) for d in (READY, FAILING, Decision())
                 for n in (NetworkIsolation(), NetworkIsolation(enabled=False))]
+    statuses.append(build_status("d", SPEC, REVISION, READY, [], None, 7, NOW,
+                                 unreadable_snapshots=["ConfigMap d-x-runtime: plan.json is not JSON"]))
     return statuses + [invalid_status(INVALID, statuses[0], 8, NOW), invalid_status(INVALID, None, 8, NOW),
                        write_failed_status(REFUSED, statuses[0], 7, NOW), write_failed_status(REFUSED, None, 7, NOW),
                        write_failed_status(SQUATTED, None, 7, NOW)]
@@ -132,3 +134,15 @@ def test_a_status_another_version_stored_still_gets_the_refusal_recorded() -> No
     written = invalid_status(INVALID, stored, 4, NOW)
     assert {c["type"]: c["status"] for c in written["conditions"]} == {"Ready": "True", "ConfigValid": "False"}
     assert written["observedGeneration"] == 4
+
+
+def test_an_invalid_spec_drops_the_write_conditions_of_the_spec_before_it() -> None:
+    """A NameConflict (or a refused write) met under the last valid spec does not stand once the
+    spec is invalid: nothing is written for it, so nothing conflicts."""
+    conflicted = write_failed_status(SQUATTED, built(READY), 7, NOW)
+    refused = write_failed_status(REFUSED, conflicted, 7, NOW)
+    assert {"NameConflict", "ApiWriteFailed"} <= set(conditions(refused))
+    invalid = invalid_status(INVALID, refused, 8, NOW + 5)
+    kinds = conditions(invalid)
+    assert "NameConflict" not in kinds and "ApiWriteFailed" not in kinds
+    assert kinds["ConfigValid"]["status"] == "False" and kinds["Ready"] == conditions(built(READY))["Ready"]

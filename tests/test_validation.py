@@ -327,3 +327,31 @@ def test_the_operator_imports_the_plugins_parser_without_torch() -> None:
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'safetensors')))")
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_a_cluster_domain_too_long_for_the_pods_dns_names_is_refused() -> None:
+    """Each subdomain label of a long clusterDomain is valid, and so is the whole domain; the
+    pods' names under it are not (253 characters at most), and ranks dial each other by them."""
+    obj = base()
+    obj["spec"]["clusterDomain"] = ".".join(["a" * 60] * 4)  # 243 characters
+    _, problems = validate_object(obj)
+    (problem,) = [str(p) for p in problems]
+    assert problem.startswith("spec.clusterDomain: makes pod DNS names such as '"), problem
+    assert problem.endswith(" characters long (a DNS name holds at most 253)"), problem
+    length = int(problem.rsplit("...' ", 1)[1].split()[0])
+    assert length > 253
+    obj["spec"]["clusterDomain"] = "cluster.local"
+    assert validate_object(obj)[1] == []
+
+
+def test_a_spec_too_large_for_the_operators_bookkeeping_is_refused() -> None:
+    """Ten env values of 30 KB each pass every per-field bound; their sum would not fit the
+    annotation kopf keeps the spec in (the API server's 256 KiB for all annotations)."""
+    obj = base()
+    obj["spec"]["ffn"]["env"] = [{"name": f"BLOB_{i}", "value": "x" * 30_000} for i in range(10)]
+    _, problems = validate_object(obj)
+    (problem,) = [str(p) for p in problems]
+    assert problem.startswith("spec: is 30") and "at most 196608: the operator keeps a copy in the annotation " \
+        "afd.inference.dev/last-handled-configuration" in problem, problem
+    obj["spec"]["ffn"]["env"] = obj["spec"]["ffn"]["env"][:5]
+    assert validate_object(obj)[1] == []

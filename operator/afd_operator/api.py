@@ -287,6 +287,17 @@ class AscendSpec(Strict):
         default_factory=lambda: list(DEFAULT_DRIVER_HOST_PATHS),
         description="Host paths mounted read-only (each under a path the cluster allows on ascend).")
     mount_hccn_conf: bool = Field(True, description="Mount /etc/hccn.conf from the host.")
+    run_as_root: bool = Field(
+        False, description="Run as root with the capability DAC_OVERRIDE (what the stock vLLM-Ascend images do) "
+        "on a writable root filesystem; the cluster must allow it (chart value hostAccess.ascendRunAsRoot). "
+        "Otherwise runAsUser with driverGroup on a read-only root.")
+    run_as_user: int = Field(1000, ge=1, le=kube_rules.INT32_MAX,
+                             description="The containers' user when not runAsRoot (HwHiAiUser on a default "
+                                         "driver install).")
+    driver_group: int = Field(1000, ge=0, le=kube_rules.INT32_MAX,
+                              description="The group owning the NPU device nodes on the nodes (ls -n "
+                                          "/dev/davinci0; HwHiAiUser's on a default driver install): a supplemental "
+                                          "group of the containers, which opens them without root.")
 
 
 class GangSpec(Strict):
@@ -414,6 +425,7 @@ class ConditionType(str, Enum):
     NETWORK_ISOLATED = "NetworkIsolated"
     API_WRITE_FAILED = "ApiWriteFailed"  # present only while the API refuses a write
     NAME_CONFLICT = "NameConflict"  # present only while a child's name is held by an object it does not control
+    SNAPSHOT_UNREADABLE = "SnapshotUnreadable"  # present only while a revision snapshot's plan summary is unreadable
 
 
 class Condition(StatusModel):

@@ -59,6 +59,8 @@ def _detect_failure(view: InstanceView, spec: AFDDeploymentSpec, expected: dict[
             return f"pod {pod.name} failed: {pod.termination or 'phase Failed'}"
         if pod.phase == "Succeeded":
             return f"pod {pod.name} exited"
+        if pod.cannot_start:
+            return f"pod {pod.name} cannot start: {pod.cannot_start}"
     # Once Attention pods exist the world is (being) formed: a missing rank breaks it.
     if view.of_role("attention") or view.record.first_ready is not None:
         for role, count in expected.items():

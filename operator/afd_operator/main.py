@@ -11,7 +11,7 @@ import kopf
 from . import naming
 from .api import GROUP, KIND, PLURAL, VERSION
 from .handlers import children, deployments  # noqa: F401  (their decorators register the handlers)
-from .handlers.admission import guard_pod_membership, validate_afddeployment
+from .handlers.admission import guard_pod_membership, validate_afddeployment, validate_afddeployment_scale
 from .membership import GUARDED_LABELS
 from .metrics import OperatorMetrics
 from .reconciler import Reconciler
@@ -37,6 +37,8 @@ def register(config: OperatorConfig) -> None:
         # Not DELETE: an object must stay deletable whatever today's rules say of it.
         kopf.on.validate(GROUP, VERSION, PLURAL, id="afddeployment-validation",
                          operations=["CREATE", "UPDATE"])(validate_afddeployment)
+        kopf.on.validate(GROUP, VERSION, PLURAL, subresource="scale", id="afddeployment-scale-validation",
+                         operations=["UPDATE"])(validate_afddeployment_scale)
         for label in GUARDED_LABELS:
             # kopf matches a handler's labels against the new object (and makes them the
             # webhook's objectSelector): an update that removes every guarded label is not seen.

@@ -55,6 +55,7 @@ class ObservedPod:
     termination: Optional[str]  # why the container stopped, when it did
     unschedulable: Optional[str]  # the scheduler's message while Pending
     pod_ip: Optional[str] = None
+    cannot_start: Optional[str] = None  # why kubelet cannot start the container (WAITING_FAILURES), if so
     api_port: Optional[int] = None  # the container port named "api" (Attention heads)
     owner_uid: Optional[str] = None  # the uid of its controller (ownerReferences), None without one
 
@@ -68,6 +69,7 @@ class ObservedObject:
     labels: Mapping[str, str]
     spec: Mapping[str, Any]  # Services: spec; ConfigMaps: the revision's plan summary ({} when unreadable)
     owner_uid: Optional[str] = None  # the uid of its controller (ownerReferences), None without one
+    problem: Optional[str] = None  # ConfigMaps: why the plan summary could not be read
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,22 @@ def _termination(status: Mapping[str, Any]) -> Optional[str]:
     return None
 
 
+# Waiting reasons kubelet keeps reporting until someone changes the image, the spec or the
+# objects it refers to (ErrImagePull alone may be a registry hiccup: its retry is
+# ImagePullBackOff). Waiting in them, a pod never starts: the startup timeout would say so only
+# after spec.startup.timeoutSeconds, without the cause.
+WAITING_FAILURES = ("ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError", "CreateContainerError")
+
+
+def _cannot_start(status: Mapping[str, Any]) -> Optional[str]:
+    for cs in status.get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in WAITING_FAILURES:
+            message = _cause_line(waiting.get("message"))
+            return f"container {cs.get('name')} {waiting['reason']}" + (f": {message}" if message else "")
+    return None
+
+
 def _named_port(spec: Mapping[str, Any], name: str) -> Optional[int]:
     for container in spec.get("containers") or []:
         for port in container.get("ports") or []:
@@ -178,6 +196,7 @@ def summarize_pod(body: Mapping[str, Any], created_at: Optional[float] = None) -
         termination=_termination(status),
         unschedulable=scheduled.get("message") if scheduled.get("reason") == "Unschedulable" else None,
         pod_ip=status.get("podIP"),
+        cannot_start=_cannot_start(status),
         api_port=_named_port(spec, "api"),
         owner_uid=controller_uid(meta),
     )
@@ -187,9 +206,9 @@ def summarize_object(kind: str, body: Mapping[str, Any]) -> ObservedObject:
     """The controller's view of an owned Service (its spec) or ConfigMap (its plan summary).
     The kind is an argument: objects of a list response carry none."""
     meta = body["metadata"]
-    spec = plan_summary(body.get("data")) if kind == "ConfigMap" else dict(body.get("spec") or {})
+    spec, problem = read_plan_summary(body.get("data")) if kind == "ConfigMap" else (dict(body.get("spec") or {}), None)
     return ObservedObject(kind=kind, name=meta["name"], labels=dict(meta.get("labels") or {}), spec=spec,
-                          owner_uid=controller_uid(meta))
+                          owner_uid=controller_uid(meta), problem=problem)
 
 
 # What the operator writes into a snapshot's plan.json (render.render_runtime_configmap) is a few
@@ -198,28 +217,36 @@ MAX_PLAN_SUMMARY_BYTES = 4096
 PLAN_POD_COUNTS = ("attentionPods", "ffnPods")
 
 
-def plan_summary(data: Any) -> dict[str, Any]:
+def read_plan_summary(data: Any) -> tuple[dict[str, Any], Optional[str]]:
     """A snapshot ConfigMap's plan summary, read as strictly as it was written: a JSON object of at
-    most MAX_PLAN_SUMMARY_BYTES whose pod counts are integers in [1, MAX_ROLE_RANKS]; {} for
-    anything else (the controller then counts the pods that exist), never an exception."""
+    most MAX_PLAN_SUMMARY_BYTES whose pod counts are integers in [1, MAX_ROLE_RANKS]. Anything else
+    is ({}, why): the controller then counts the pods that exist; never an exception."""
     text = data.get("plan.json") if isinstance(data, Mapping) else None
-    if not isinstance(text, str) or len(text) > MAX_PLAN_SUMMARY_BYTES:
-        return {}
+    if not isinstance(text, str):
+        return {}, "data has no plan.json string"
+    if len(text) > MAX_PLAN_SUMMARY_BYTES:
+        return {}, f"plan.json is {len(text)} characters, more than the {MAX_PLAN_SUMMARY_BYTES} the operator writes"
     try:
         summary = json.loads(text)
-    except ValueError:
-        return {}
+    except (ValueError, RecursionError):
+        return {}, "plan.json is not JSON"
     if not isinstance(summary, dict):
-        return {}
+        return {}, "plan.json is not a JSON object"
     for key in PLAN_POD_COUNTS:
         value = summary.get(key)
         if type(value) is not int or not 1 <= value <= MAX_ROLE_RANKS:
-            return {}
-    return summary
+            return {}, f"plan.json {key} must be an integer in [1, {MAX_ROLE_RANKS}]"
+    return summary, None
 
 
-def endpoint_pods(body: Mapping[str, Any]) -> frozenset[str]:
-    """The pods an EndpointSlice lists, whatever their conditions: while a pod is listed,
-    kube-proxy may still send it connections."""
+def endpoint_pods(body: Mapping[str, Any], service: str) -> Optional[frozenset[str]]:
+    """The pods an EndpointSlice of `service` lists, whatever their conditions: while a pod is
+    listed, kube-proxy may still send it connections. None for a slice the EndpointSlice
+    controller did not make for that Service (anyone who may write slices can copy its labels,
+    and a forged slice listing a head would hold that head's drain open)."""
+    references = (body.get("metadata") or {}).get("ownerReferences") or ()
+    if not any(isinstance(ref, Mapping) and ref.get("controller") is True and ref.get("kind") == "Service"
+               and ref.get("name") == service for ref in references):
+        return None
     return frozenset(ref["name"] for ep in body.get("endpoints") or []
                      if (ref := ep.get("targetRef") or {}).get("kind") == "Pod" and ref.get("name"))

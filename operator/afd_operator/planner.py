@@ -320,17 +320,21 @@ def _engine_ready_env(spec: AFDDeploymentSpec) -> list[tuple[str, str]]:
 # when this is set, so counters of its engine-core and worker processes (the plugin's afd_*
 # metrics of each Attention rank) appear there beside vLLM's own. An emptyDir: fresh per pod.
 PROMETHEUS_MULTIPROC_DIR = "/var/run/afd-prometheus"
-# Where processes may write on platform cpu, whose pods have a read-only root filesystem: an
-# emptyDir, also HOME, so vLLM's, torch's and Python's caches and temporary files land there.
+# Where processes may write in pods with a read-only root filesystem: an emptyDir, also HOME, so
+# vLLM's, torch's and Python's caches and temporary files land there, and on Ascend CANN's
+# (ASCEND_CACHE_PATH, ASCEND_WORK_PATH) and its logs (ASCEND_PROCESS_LOG_PATH).
 SCRATCH_DIR = "/tmp"
+ASCEND_SCRATCH_ENV = (("ASCEND_CACHE_PATH", f"{SCRATCH_DIR}/ascend/cache"),
+                      ("ASCEND_WORK_PATH", f"{SCRATCH_DIR}/ascend/work"),
+                      ("ASCEND_PROCESS_LOG_PATH", f"{SCRATCH_DIR}/ascend/log"))
 SHM_VOLUME, SCRATCH_VOLUME, METRICS_VOLUME = "dshm", "scratch", "prometheus-multiproc"
 MODEL_VOLUME, HCCN_VOLUME, ASCEND_HOST_VOLUME = "model", "hccn-conf", "ascend-host"
 
 
 def read_only_root(spec: AFDDeploymentSpec) -> bool:
-    """Pods run with a read-only root filesystem as a non-root user (platform cpu; docs/install.md
-    says why Ascend pods do not)."""
-    return spec.platform == "cpu"
+    """Pods run with a read-only root filesystem as a non-root user: always on platform cpu, on
+    ascend unless ascend.runAsRoot (docs/install.md)."""
+    return spec.platform == "cpu" or not spec.ascend.run_as_root
 
 
 def operator_mounts(spec: AFDDeploymentSpec, head: bool = True) -> dict[str, str]:
@@ -352,7 +356,10 @@ def operator_mounts(spec: AFDDeploymentSpec, head: bool = True) -> dict[str, str
 
 
 def _scratch_env(spec: AFDDeploymentSpec) -> list[tuple[str, str]]:
-    return [("HOME", SCRATCH_DIR), ("TMPDIR", SCRATCH_DIR)] if read_only_root(spec) else []
+    if not read_only_root(spec):
+        return []
+    return [("HOME", SCRATCH_DIR), ("TMPDIR", SCRATCH_DIR),
+            *(ASCEND_SCRATCH_ENV if spec.platform == "ascend" else ())]
 
 
 def _attention_pod(

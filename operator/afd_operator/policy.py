@@ -7,14 +7,14 @@ webhook and the operator refuse a spec that asks for more, naming the field and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Mapping, Optional
+from typing import Annotated, Any, Literal, Mapping, Optional
 
 from pydantic import ConfigDict, Field, ValidationError
 
 from .api import DEFAULT_DRIVER_HOST_PATHS, HCCN_CONF
 from .documents import MAX_FILE_BYTES, read_documents
 from .kube_types import (MAX_LIST_ITEMS, AbsolutePath, DNSSubdomain, NetworkPolicyEgressRule, NetworkPolicyPeer,
-                         Strict, wire)
+                         QualifiedName, Strict, wire)
 
 # The host paths the operator mounts read-only on platform ascend: the driver, dcmi, npu-smi
 # (ascend.driverHostPaths) and the NIC configuration (ascend.mountHccnConf).
@@ -41,8 +41,16 @@ class HostAccess:
 
     host_path_prefixes: tuple[str, ...] = ()
     ascend_host_paths: tuple[str, ...] = DEFAULT_ASCEND_HOST_PATHS
+    ascend_run_as_root: bool = False
     host_network: bool = False
     service_accounts: tuple[str, ...] = ()
+    # What a pod may ask of the cluster beyond its node: how its API is exposed, which priority
+    # (system-node-critical preempts everything), which taints it tolerates, which Secrets it
+    # reads (a namespace's Secrets include other workloads' and legacy token Secrets).
+    service_types: tuple[str, ...] = ("ClusterIP",)
+    priority_class_names: tuple[str, ...] = ()
+    toleration_keys: tuple[str, ...] = ()
+    secret_names: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -74,8 +82,14 @@ class _HostAccessValues(Strict):
     host_path_prefixes: Annotated[list[AbsolutePath], Field(max_length=MAX_LIST_ITEMS)] = Field(default_factory=list)
     ascend_host_paths: Annotated[list[AbsolutePath], Field(max_length=MAX_LIST_ITEMS)] = Field(
         default_factory=lambda: list(DEFAULT_ASCEND_HOST_PATHS))
+    ascend_run_as_root: bool = False
     host_network: bool = False
     service_accounts: Annotated[list[DNSSubdomain], Field(max_length=MAX_LIST_ITEMS)] = Field(default_factory=list)
+    service_types: Annotated[list[Literal["ClusterIP", "NodePort", "LoadBalancer"]], Field(max_length=3)] = Field(
+        default_factory=lambda: ["ClusterIP"])
+    priority_class_names: Annotated[list[DNSSubdomain], Field(max_length=MAX_LIST_ITEMS)] = Field(default_factory=list)
+    toleration_keys: Annotated[list[QualifiedName], Field(max_length=MAX_LIST_ITEMS)] = Field(default_factory=list)
+    secret_names: Annotated[list[DNSSubdomain], Field(max_length=MAX_LIST_ITEMS)] = Field(default_factory=list)
 
 
 class _NetworkPolicyValues(Strict):
@@ -106,7 +120,11 @@ def policy_from_values(values: Any) -> ClusterPolicy:
     return ClusterPolicy(
         host_access=HostAccess(host_path_prefixes=tuple(host.host_path_prefixes),
                                ascend_host_paths=tuple(host.ascend_host_paths),
-                               host_network=host.host_network, service_accounts=tuple(host.service_accounts)),
+                               ascend_run_as_root=host.ascend_run_as_root,
+                               host_network=host.host_network, service_accounts=tuple(host.service_accounts),
+                               service_types=tuple(host.service_types),
+                               priority_class_names=tuple(host.priority_class_names),
+                               toleration_keys=tuple(host.toleration_keys), secret_names=tuple(host.secret_names)),
         network=NetworkIsolation(enabled=net.enabled, metrics_from=tuple(wire(p) for p in net.metrics_from),
                                  dns_to=tuple(wire(p) for p in net.dns_to),
                                  egress_to=tuple(wire(rule) for rule in net.egress_to)))

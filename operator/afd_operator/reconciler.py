@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
 from . import drain_probe
+from .api import ConditionType
 from .controller import decide
 from .managers import ChildManager, Round
 from .managers.instance_guards import DisruptionBudgetManager, NetworkPolicyManager
@@ -22,7 +23,7 @@ from .managers.pod_groups import PodGroupManager
 from .managers.pod_monitor import PodMonitorManager
 from .managers.pods import PodManager
 from .managers.services import ServiceManager
-from .managers.snapshots import SnapshotManager, layouts
+from .managers.snapshots import SnapshotManager, layouts, unreadable
 from .memory import DeploymentMemory, Memory
 from .metrics import OperatorMetrics
 from .observe import Observed
@@ -132,8 +133,12 @@ class Reconciler:
 
         # Written while deleting too: the instances' phases show the teardown, and the next
         # round starts from them, so each phase change is announced once.
-        self._write_status(t, build_status(t.name, spec, current.revision, decision, observed.pods, t.previous,
-                                           t.generation, now, self.policy.network))
+        problems = unreadable(observed)
+        status = build_status(t.name, spec, current.revision, decision, observed.pods, t.previous, t.generation, now,
+                              self.policy.network, problems)
+        known = any(c.get("type") == ConditionType.SNAPSHOT_UNREADABLE.value
+                    for c in (t.previous or {}).get("conditions") or [])
+        self._write_status(t, status, ("SnapshotUnreadable", "; ".join(problems)) if problems and not known else None)
         self.metrics.record_decision(t.namespace, t.name, decision)
         return ReconcileResult(finished=False, next_wakeup=decision.next_wakeup)
 

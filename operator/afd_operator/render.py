@@ -43,7 +43,8 @@ READINESS_PROBE = {"period": 2, "failures": 8}
 LIVENESS_PROBE = {"period": 10, "failures": 6}
 _LABEL_VALUE = re.compile(r"[^A-Za-z0-9._-]")
 # Device nodes of the NPU driver belong to its own user on the host and keep that owner in the
-# container; the vLLM-Ascend images run as root, which opens them only with this capability.
+# container; root (ascend.runAsRoot, as the vLLM-Ascend images run) opens them only with this
+# capability.
 ASCEND_CAPABILITIES = ["DAC_OVERRIDE"]
 
 
@@ -172,9 +173,14 @@ def _security_contexts(spec: AFDDeploymentSpec) -> tuple[Obj, Obj]:
     pod: Obj = {"seccompProfile": {"type": "RuntimeDefault"}}
     container: Obj = {"allowPrivilegeEscalation": False, "privileged": False, "capabilities": {"drop": ["ALL"]}}
     if read_only_root(spec):
-        # The image's numeric USER (images/runtime-cpu) runs the processes; kubelet checks it is not root.
+        # On cpu the image's numeric USER (images/runtime-cpu) runs the processes; kubelet checks
+        # it is not root.
         pod["runAsNonRoot"] = True
         container["readOnlyRootFilesystem"] = True
+        if spec.platform == "ascend":
+            # The device nodes keep their host owner and mode (group-readable by the driver's
+            # group): membership of that group opens them without root or a capability.
+            pod.update(runAsUser=spec.ascend.run_as_user, supplementalGroups=[spec.ascend.driver_group])
     else:
         container["capabilities"]["add"] = list(ASCEND_CAPABILITIES)
     return pod, container
@@ -354,23 +360,29 @@ def render_runtime_configmap(plan: Plan, owner: Optional[Obj] = None) -> Obj:
         "metadata": _meta(naming.runtime_configmap_name(plan.name, plan.revision), plan.namespace, labels, owner),
         "data": {"plan.json": json.dumps(summary, sort_keys=True)},
         # One revision's facts: written once, never changed (a tenant who may edit ConfigMaps
-        # cannot rewrite it in place; observe.plan_summary reads a recreated one strictly).
+        # cannot rewrite it in place; observe.read_plan_summary reads a recreated one strictly).
         "immutable": True,
     }
 
 
-def render_pdb(plan: Plan, instance: InstancePlan, owner: Optional[Obj] = None) -> Obj:
+def render_pdb(plan: Plan, instance: InstancePlan, owner: Optional[Obj] = None,
+               unhealthy_eviction_policy: bool = True) -> Obj:
     """At most one pod of the instance disrupted at a time: losing a pod loses the instance.
     An integer minAvailable makes the disruption controller count the pods the selector finds
     (with maxUnavailable it would take the expected count from the AFDDeployment's scale,
-    which counts instances, not pods)."""
+    which counts instances, not pods). Pods not Ready yet (an instance still loading) may always
+    be evicted: the budget guards serving worlds, and a drain must not wait on a starting one
+    (unhealthyPodEvictionPolicy, kept by API servers from 1.27 on; left out for older ones)."""
     labels = _merge_labels(naming.base_labels(plan.name, "disruption-budget"),
                            naming.instance_labels(plan.name, plan.revision, instance.index))
+    spec: Obj = {"minAvailable": plan.pods_per_instance - 1,
+                 "selector": {"matchLabels": {naming.LABEL_AFD_INSTANCE: instance.name}}}
+    if unhealthy_eviction_policy:
+        spec["unhealthyPodEvictionPolicy"] = "AlwaysAllow"
     return {
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
         "metadata": _meta(instance.name, plan.namespace, labels, owner),
-        "spec": {"minAvailable": plan.pods_per_instance - 1,
-                 "selector": {"matchLabels": {naming.LABEL_AFD_INSTANCE: instance.name}}},
+        "spec": spec,
     }
 
 

@@ -11,7 +11,7 @@ each. `ApiWriteFailed` is there only while the API refuses a write (like a Deplo
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from pydantic import ValidationError
 
@@ -113,6 +113,7 @@ def build_status(
     generation: Optional[int],
     now: float,
     network: NetworkIsolation = NetworkIsolation(),
+    unreadable_snapshots: Sequence[str] = (),
 ) -> dict[str, Any]:
     previous = previous or {}
     prev_conditions = _previous_conditions(previous)
@@ -150,6 +151,11 @@ def build_status(
         _condition(prev_conditions, ConditionType.CONFIG_VALID, True, "Valid", "", generation, now),
         _condition(prev_conditions, ConditionType.NETWORK_ISOLATED, *isolation(spec, network), generation, now),
     ]
+    if unreadable_snapshots:
+        conditions.append(_condition(
+            prev_conditions, ConditionType.SNAPSHOT_UNREADABLE, True, "PlanSummaryUnreadable",
+            "; ".join(unreadable_snapshots) + " (not what the operator wrote: the current revision's is replaced, "
+            "an older revision's layout is counted from its pods)", generation, now))
     return _wire(AFDDeploymentStatus(
         observed_generation=generation,
         replicas=len(live),
@@ -181,11 +187,17 @@ def _with_condition(previous: Optional[Mapping[str, Any]], kind: ConditionType, 
     return status
 
 
+# Conditions about the writes of a reconciliation, present only while it meets them.
+WRITE_CONDITIONS = (ConditionType.API_WRITE_FAILED, ConditionType.NAME_CONFLICT, ConditionType.SNAPSHOT_UNREADABLE)
+
+
 def invalid_status(problems: list[Problem], previous: Optional[Mapping[str, Any]], generation: Optional[int],
                    now: float) -> dict[str, Any]:
-    """An invalid spec changes nothing in the cluster; only ConfigValid says why."""
+    """An invalid spec changes nothing in the cluster; only ConfigValid says why (and no write
+    condition of an earlier spec stands: nothing is written now)."""
     message = "; ".join(str(p) for p in problems)
     status = _with_condition(previous, ConditionType.CONFIG_VALID, False, "InvalidSpec", message, generation, now)
+    status.conditions = [c for c in status.conditions if c.type not in WRITE_CONDITIONS]
     status.observed_generation = generation
     return _wire(status)
 

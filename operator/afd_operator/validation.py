@@ -13,6 +13,7 @@ grow with `replicas`: per-instance rules are checked on the instances where they
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Optional
 
@@ -20,14 +21,15 @@ from afd_shared_experts.config import AFDConfigError
 from pydantic import ValidationError
 
 from . import kube_rules, naming
-from .api import (MAX_REPLICAS, MAX_ROLE_RANKS, RESOURCE_NAMES, AFDDeployment, AFDDeploymentSpec, EnvVar,
+from .api import (GROUP, MAX_REPLICAS, MAX_ROLE_RANKS, RESOURCE_NAMES, AFDDeployment, AFDDeploymentSpec, EnvVar,
                   PodTemplateOverrides, ResourceRequirements)
 from .kube_rules import quantity_value
 from .engine_args import engine_flag, expands_to
 from .planner import (ASCEND_HOST_VOLUME, HCCN_VOLUME, MODEL_VOLUME, attention_layout, attention_pipeline_parallel,
                       ffn_layout, instance_frame, instance_ports, operator_mounts, role_configs, rollout_budget,
                       spec_stage_limit, uses_host_network)
-from .policy import UNCHECKED_HOST_ACCESS, ClusterPolicy, HostAccess, under
+from .access import host_access_problems
+from .policy import UNCHECKED_HOST_ACCESS, ClusterPolicy
 from .problems import Problem, check_shape, pydantic_problems
 from .revision import REVISION_LENGTH
 
@@ -43,9 +45,6 @@ MAX_DEPLOYMENT_PODS = 8192
 # REVISION_LENGTH characters that DNS names allow, so every rule below, the plugin's included,
 # answers the same for any of them, and validating never hashes the spec.
 ANY_REVISION = "x" * REVISION_LENGTH
-# What a role's engineArgs, env and podTemplate may add to each of its pods: a pod is one etcd
-# object (at most 1.5 MiB), and the operator's own part is a few KiB.
-MAX_POD_EXTRAS_BYTES = 512 * 1024
 
 # Engine flags the operator derives from the spec; setting them by hand would break a world.
 OPERATOR_OWNED_FLAGS = {
@@ -158,45 +157,6 @@ def _check_resources(path: str, spec: AFDDeploymentSpec, resources: ResourceRequ
                     name not in resources.limits or quantity_value(amount) != quantity_value(resources.limits[name])):
                 problems.append(Problem(where, f"must equal limits.{name}: an extended resource is never "
                                                "overcommitted"))
-    return problems
-
-
-def _check_host_access(spec: AFDDeploymentSpec, access: HostAccess) -> list[Problem]:
-    """What the pods would use of their nodes, against what the cluster admin allows."""
-    problems = []
-
-    def path_allowed(field: str, host_path: str, prefixes: tuple[str, ...], value: str) -> None:
-        if not any(under(host_path, prefix) for prefix in prefixes):
-            allowed = ", ".join(prefixes) if prefixes else "none"
-            problems.append(Problem(field, f"host path '{host_path}' is not allowed in this cluster (chart value "
-                                           f"{value}: {allowed})"))
-
-    volume = spec.model.volume
-    if volume is not None and volume.host_path is not None:
-        path_allowed("spec.model.volume.hostPath", volume.host_path, access.host_path_prefixes,
-                     "hostAccess.hostPathPrefixes")
-    for role in ("attention", "ffn"):
-        overrides = getattr(spec, role).pod_template
-        for i, user_volume in enumerate(overrides.volumes):
-            if user_volume.host_path is not None:
-                path_allowed(f"spec.{role}.podTemplate.volumes[{i}].hostPath.path", user_volume.host_path.path,
-                             access.host_path_prefixes, "hostAccess.hostPathPrefixes")
-        account = overrides.service_account_name
-        if account is not None and account != "default" and account not in access.service_accounts:
-            allowed = ", ".join(access.service_accounts) or "none besides 'default'"
-            problems.append(Problem(f"spec.{role}.podTemplate.serviceAccountName",
-                                    f"'{account}' is not allowed in this cluster (chart value "
-                                    f"hostAccess.serviceAccounts: {allowed})"))
-    if spec.platform == "ascend":
-        for i, driver_path in enumerate(spec.ascend.driver_host_paths):
-            path_allowed(f"spec.ascend.driverHostPaths[{i}]", driver_path, access.ascend_host_paths,
-                         "hostAccess.ascendHostPaths")
-        if spec.ascend.mount_hccn_conf:
-            path_allowed("spec.ascend.mountHccnConf", "/etc/hccn.conf", access.ascend_host_paths,
-                         "hostAccess.ascendHostPaths")
-    if uses_host_network(spec) and not access.host_network:
-        problems.append(Problem("spec.ascend.hostNetwork", "host networking is not allowed in this cluster (chart "
-                                                           "value hostAccess.hostNetwork: false); set it to false"))
     return problems
 
 
@@ -323,7 +283,7 @@ def _check_ports(spec: AFDDeploymentSpec, max_index: int) -> list[Problem]:
     return problems
 
 
-def _check_names(name: str, spec: AFDDeploymentSpec) -> list[Problem]:
+def _check_names(name: str, spec: AFDDeploymentSpec, namespace: str) -> list[Problem]:
     problem = kube_rules.dns_1035_label(name)
     if problem:
         return [Problem("metadata.name", problem)]
@@ -337,6 +297,14 @@ def _check_names(name: str, spec: AFDDeploymentSpec) -> list[Problem]:
             f"largest index {MAX_REPLICAS} replicas and their surge can take) are DNS labels "
             f"(at most {naming.DNS_LABEL_MAX} characters)",
         )]
+    # Ranks reach each other by these names (the connector host, the DP address): a name DNS
+    # cannot carry would pass every check here and fail in every pod.
+    dns_name = naming.pod_dns_name(longest, naming.instance_name(name, ANY_REVISION, MAX_INDEX), namespace,
+                                   spec.cluster_domain)
+    if len(dns_name) > kube_rules.DNS_SUBDOMAIN_MAX:
+        return [Problem("spec.clusterDomain", f"makes pod DNS names such as '{dns_name[:80]}...' "
+                                              f"{len(dns_name)} characters long (a DNS name holds at most "
+                                              f"{kube_rules.DNS_SUBDOMAIN_MAX})")]
     return []
 
 
@@ -374,11 +342,26 @@ def _check_plugin_config(spec: AFDDeploymentSpec, name: str, namespace: str, max
     return []
 
 
+# kopf stores the spec it last handled in an annotation (main.AFDDiffBaseStorage): a spec must fit
+# there with room for the object's other annotations. This also bounds what a role's engineArgs,
+# env and podTemplate add to each pod (one etcd object, at most 1.5 MiB).
+MAX_SPEC_BYTES = 192 * 1024
+
+
+def _spec_size_problems(data: Any, prefix: str) -> list[Problem]:
+    size = len(json.dumps(data, separators=(",", ":")))
+    if size <= MAX_SPEC_BYTES:
+        return []
+    return [Problem(prefix, f"is {size} bytes as JSON; at most {MAX_SPEC_BYTES}: the operator keeps a copy in the "
+                            f"annotation {GROUP}/last-handled-configuration, and the API server holds at most "
+                            f"{kube_rules.ANNOTATIONS_TOTAL_MAX} bytes of annotations per object")]
+
+
 def check_spec(spec: AFDDeploymentSpec, name: str, namespace: str = "default",
                policy: ClusterPolicy = UNCHECKED_HOST_ACCESS) -> list[Problem]:
     """Cross-field rules of a schema-valid spec, the cluster's host-access policy (the operator
     and its webhook pass the one they run with), then the plugin's verdict on its pods."""
-    problems = _check_names(name, spec)
+    problems = _check_names(name, spec, namespace)
     problems += _check_layout(spec)
     budget = rollout_budget(spec)
     if spec.update_strategy.type == "RollingUpdate" and budget.surge == 0 and budget.unavailable == 0:
@@ -393,14 +376,10 @@ def check_spec(spec: AFDDeploymentSpec, name: str, namespace: str = "default",
     problems += _check_operator_mounts(spec)
     for role in ("attention", "ffn"):
         role_spec = getattr(spec, role)
-        extras = len(role_spec.model_dump_json(include={"engine_args", "env", "pod_template"}))
-        if extras > MAX_POD_EXTRAS_BYTES:
-            problems.append(Problem(f"spec.{role}", f"engineArgs, env and podTemplate add {extras} bytes to each pod, "
-                                                    f"more than {MAX_POD_EXTRAS_BYTES} (a pod is one etcd object)"))
         problems += _check_env(f"spec.{role}.env", role_spec.env)
         problems += _check_pod_template(f"spec.{role}.podTemplate", spec, role_spec.pod_template)
     if policy.host_access is not None:
-        problems += _check_host_access(spec, policy.host_access)
+        problems += host_access_problems(spec, policy.host_access)
     if spec.recovery.max_backoff_seconds < spec.recovery.backoff_seconds:
         problems.append(Problem(
             "spec.recovery.maxBackoffSeconds",
@@ -437,6 +416,9 @@ def validate_spec(data: Any, name: str, prefix: str = "spec", namespace: str = "
         problems = check_shape(data, prefix)
         if problems:
             return None, problems
+        problems = _spec_size_problems(data, prefix)
+        if problems:
+            return None, problems
         try:
             spec = AFDDeploymentSpec.model_validate(data)
         except ValidationError as err:
@@ -458,7 +440,7 @@ def validate_object(obj: Any, policy: ClusterPolicy = UNCHECKED_HOST_ACCESS) -> 
     def check() -> tuple[Optional[AFDDeployment], list[Problem]]:
         if not isinstance(obj, dict):
             return None, [Problem("<document>", "must be a mapping (an AFDDeployment object)")]
-        problems = check_shape(obj, "")
+        problems = check_shape(obj, "") or _spec_size_problems(obj.get("spec"), "spec")
         if problems:
             return None, problems
         try:

@@ -5,7 +5,8 @@ Every create/patch/delete goes through `Writer`, which counts it by verb and kin
 creating it controls the existing object (a restarted operator finds what it made; anything
 else raises `NameConflictError`, naming the holder), raises `ApiWriteError` (verb, kind, name
 and the API's own status) for any other refusal,
-and maps `policy/v1` PodDisruptionBudgets to `policy/v1beta1` on servers older than 1.21.
+and maps `policy/v1` PodDisruptionBudgets to `policy/v1beta1` on servers older than 1.21
+(`server_version` tells the managers which newer fields the server keeps).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import datetime, timezone
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from kubernetes.client import ApiClient
+from kubernetes.client import ApiClient, VersionApi
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ConflictError, NotFoundError, ResourceNotFoundError
@@ -69,12 +70,34 @@ def _controller(meta: Mapping[str, Any]) -> Optional[Mapping[str, Any]]:
     return next((ref for ref in meta.get("ownerReferences") or () if ref.get("controller") is True), None)
 
 
+def check_holder(desired: Mapping[str, Any], existing: Optional[Mapping[str, Any]]) -> None:
+    """Raise NameConflictError unless `existing` (an object of `desired`'s name, None when there
+    is none) is controlled by the same owner as `desired`."""
+    wanted = _controller(desired["metadata"])
+    if wanted is None or existing is None:  # no owner to compare, or gone since: the next round sees it
+        return
+    held = _controller(existing.get("metadata") or {})
+    if held is not None and held.get("uid") == wanted.get("uid"):
+        return
+    holder = "nothing (no controller reference)" if held is None else \
+        f"{held.get('kind')} {held.get('name')} (uid {held.get('uid')})"
+    raise NameConflictError(desired["kind"], desired["metadata"]["name"], holder)
+
+
+def controlled_by(existing: Optional[Mapping[str, Any]], kind: str, name: str) -> bool:
+    """Whether `existing` is controlled by the object `kind`/`name` (a deletion by name must not
+    take an object someone else holds)."""
+    held = _controller((existing or {}).get("metadata") or {})
+    return held is not None and held.get("kind") == kind and held.get("name") == name
+
+
 class Writer:
     def __init__(self, api_client: ApiClient, metrics: OperatorMetrics):
         self.dyn = DynamicClient(api_client)
         self.metrics = metrics
         self._lock = threading.Lock()
         self._served: dict[tuple[str, str], bool] = {}
+        self._server_version: Optional[tuple[int, int]] = None
 
     # -- discovery ----------------------------------------------------------------------
     def _resource(self, api_version: str, kind: str):
@@ -90,6 +113,15 @@ class Writer:
                 except ResourceNotFoundError:
                     self._served[key] = False
             return self._served[key]
+
+    def server_version(self) -> tuple[int, int]:
+        """(major, minor) of the API server, read once: fields newer than the server are dropped
+        by it, and a desired object holding one would be patched again every round."""
+        with self._lock:
+            if self._server_version is None:
+                info = VersionApi(self.dyn.client).get_code()
+                self._server_version = (int(info.major), int("".join(c for c in info.minor if c.isdigit())))
+            return self._server_version
 
     def served_version(self, api_version: str, kind: str) -> str:
         if (api_version, kind) == ("policy/v1", "PodDisruptionBudget") and not self.serves(api_version, kind):
@@ -125,20 +157,12 @@ class Writer:
     def _check_holder(self, obj: Mapping[str, Any], version: str) -> None:
         """An object of the created one's name exists: fine if the same controller holds it."""
         meta = obj["metadata"]
-        wanted = _controller(meta)
         try:
             existing = self.get(version, obj["kind"], meta.get("namespace"), meta["name"])
         except ApiException as err:
             raise ApiWriteError.from_api("get", obj["kind"], meta["name"], err) from err
-        if wanted is None or existing is None:  # no owner to compare, or gone since: the next round sees it
-            return
-        held = _controller(existing.get("metadata") or {})
-        if held is not None and held.get("uid") == wanted.get("uid"):
-            log.debug("%s %s already exists", obj["kind"], meta["name"])
-            return
-        holder = "nothing (no controller reference)" if held is None else \
-            f"{held.get('kind')} {held.get('name')} (uid {held.get('uid')})"
-        raise NameConflictError(obj["kind"], meta["name"], holder)
+        check_holder(obj, existing)
+        log.debug("%s %s already exists", obj["kind"], meta["name"])
 
     def create_all(self, objs: Sequence[Mapping[str, Any]], on_created: Callable[[Mapping[str, Any]], None]) -> None:
         """Create `objs` concurrently, at most CREATE_CONCURRENCY at a time, calling

@@ -32,7 +32,8 @@ def test_webhook_is_reached_through_its_service(real_node: RealNode, operator_re
     configs = {w["name"]: w["clientConfig"] for h in hooks for w in h["webhooks"]
                if h["metadata"]["name"].startswith(release)}
     assert sorted(configs) == ["pod-membership-deployment.afd.inference.dev",
-                               "pod-membership-instance.afd.inference.dev", "validation.afd.inference.dev"]
+                               "pod-membership-instance.afd.inference.dev", "scale-validation.afd.inference.dev",
+                               "validation.afd.inference.dev"]
     assert all("url" not in c and c["service"]["namespace"] == namespace for c in configs.values()), configs
     bad = {"apiVersion": "afd.inference.dev/v1alpha1", "kind": "AFDDeployment",
            "metadata": {"name": "bad", "namespace": "default"},

@@ -26,7 +26,11 @@
 {{- end -}}
 
 {{- define "afd-operator.webhookSecretName" -}}
+{{- if eq .Values.webhook.certificate.source "existingSecret" -}}
+{{- required "webhook.certificate.existingSecret.name: the Secret (kubernetes.io/tls) to serve the webhook with" .Values.webhook.certificate.existingSecret.name -}}
+{{- else -}}
 {{- printf "%s-webhook-tls" (include "afd-operator.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "afd-operator.selectorLabels" -}}
@@ -59,7 +63,8 @@ operator/afd_operator/writer.py and handlers/):
 {{- define "afd-operator.namespacedRules" -}}
 - apiGroups: [afd.inference.dev]
   resources: [afddeployments]
-  verbs: [list, watch, patch]
+  # get: the webhook reads the object a /scale request changes.
+  verbs: [get, list, watch, patch]
 - apiGroups: [afd.inference.dev]
   resources: [afddeployments/status]
   verbs: [patch]

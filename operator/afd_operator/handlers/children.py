@@ -52,9 +52,11 @@ ENDPOINT_SLICES = ("discovery.k8s.io", "endpointslices")
 @kopf.index(*ENDPOINT_SLICES, labels={**OWNED, naming.LABEL_SERVICE_NAME: kopf.PRESENT})
 async def afd_routed_pods(namespace: str, labels: dict, body: Any, **_: Any) -> Any:
     deployment = labels[naming.LABEL_DEPLOYMENT]
-    if labels[naming.LABEL_SERVICE_NAME] != naming.api_service_name(deployment):
+    service = naming.api_service_name(deployment)
+    if labels[naming.LABEL_SERVICE_NAME] != service:
         return None  # an instance's headless Service: it routes no client request
-    return {(namespace, deployment): endpoint_pods(body)}
+    routed = endpoint_pods(body, service)
+    return None if routed is None else {(namespace, deployment): routed}
 
 
 @kopf.on.event("pods", labels=OWNED)

@@ -17,7 +17,7 @@ from ..observe import Observed, ObservedObject
 from ..planner import InstancePlan, Plan, instance_frame
 from ..policy import ClusterPolicy
 from ..render import render_shared
-from ..writer import Writer
+from ..writer import Writer, check_holder
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,9 @@ def ensure(writer: Writer, desired: Mapping[str, Any], observed: Optional[Mappin
 
 
 def ensure_fetched(writer: Writer, desired: Mapping[str, Any]) -> None:
-    """`ensure` for kinds no watch cache holds: read the object first."""
+    """`ensure` for kinds no watch cache holds: read the object first; one of that name held by
+    someone else is a NameConflictError, never patched."""
     meta = desired["metadata"]
-    ensure(writer, desired, writer.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"]))
+    existing = writer.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+    check_holder(desired, existing)
+    ensure(writer, desired, existing)

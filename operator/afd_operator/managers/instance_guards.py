@@ -44,11 +44,16 @@ class _PerInstance:
                 writer.delete(self.api_version, self.kind, namespace, o.name)
 
 
+# PodDisruptionBudget's unhealthyPodEvictionPolicy: beta, on by default, from Kubernetes 1.27.
+UNHEALTHY_EVICTION_POLICY_SINCE = (1, 27)
+
+
 class DisruptionBudgetManager(_PerInstance):
     api_version, kind = "policy/v1", "PodDisruptionBudget"
 
     def desired(self, r: Round, instance: InstancePlan) -> Optional[dict[str, Any]]:
-        return render_pdb(r.plan, instance, r.owner)
+        return render_pdb(r.plan, instance, r.owner,
+                          unhealthy_eviction_policy=r.writer.server_version() >= UNHEALTHY_EVICTION_POLICY_SINCE)
 
 
 class NetworkPolicyManager(_PerInstance):

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from ..observe import Observed
 from ..render import render_pod_group
-from ..writer import Writer
+from ..api import KIND as DEPLOYMENT_KIND
+from ..writer import Writer, check_holder, controlled_by
 from . import Round
 
 API_VERSION, KIND = "scheduling.volcano.sh/v1beta1", "PodGroup"
@@ -19,11 +20,16 @@ class PodGroupManager:
             for instance in r.current_instances:
                 if instance.name in known:
                     continue
-                if r.writer.get(API_VERSION, KIND, r.plan.namespace, instance.name) is None:
-                    r.writer.create(render_pod_group(r.spec, r.plan, instance, r.owner))
+                desired = render_pod_group(r.spec, r.plan, instance, r.owner)
+                existing = r.writer.get(API_VERSION, KIND, r.plan.namespace, instance.name)
+                if existing is None:
+                    r.writer.create(desired)
+                else:
+                    check_holder(desired, existing)  # a squatted name: NameConflict, not adopted
                 known.add(instance.name)
         for instance in r.decision.gone:
-            if instance in known or r.writer.serves(API_VERSION, KIND):
+            if instance in known or (r.writer.serves(API_VERSION, KIND) and controlled_by(
+                    r.writer.get(API_VERSION, KIND, r.plan.namespace, instance), DEPLOYMENT_KIND, r.plan.name)):
                 r.writer.delete(API_VERSION, KIND, r.plan.namespace, instance)
                 known.discard(instance)
 

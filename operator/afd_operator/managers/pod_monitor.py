@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from .. import naming
 from ..observe import Observed
-from ..writer import Writer
+from ..api import KIND as DEPLOYMENT_KIND
+from ..writer import Writer, controlled_by
 from . import Round, ensure_fetched
 
 API_VERSION, KIND = "monitoring.coreos.com/v1", "PodMonitor"
@@ -16,9 +17,13 @@ class PodMonitorManager:
             return
         if KIND in r.shared:
             ensure_fetched(r.writer, r.shared[KIND])
-        elif r.writer.get(API_VERSION, KIND, r.plan.namespace, naming.pod_monitor_name(r.plan.name)):
-            r.writer.delete(API_VERSION, KIND, r.plan.namespace, naming.pod_monitor_name(r.plan.name))
+        else:
+            self.remove_all(r.writer, r.plan.namespace, r.plan.name, r.observed)
 
     def remove_all(self, writer: Writer, namespace: str, name: str, observed: Observed) -> None:
-        if writer.serves(API_VERSION, KIND):
+        """The deployment's PodMonitor, never another's of the same name."""
+        if not writer.serves(API_VERSION, KIND):
+            return
+        existing = writer.get(API_VERSION, KIND, namespace, naming.pod_monitor_name(name))
+        if controlled_by(existing, DEPLOYMENT_KIND, name):
             writer.delete(API_VERSION, KIND, namespace, naming.pod_monitor_name(name))
