@@ -18,6 +18,7 @@ in the pod reads back unchanged.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -409,7 +410,7 @@ def render_network_policy(spec: AFDDeploymentSpec, plan: Plan, instance: Instanc
     egress: list[Obj] = [{"to": [{"podSelector": own()}]}]
     if network.dns_to:
         egress.append({"to": [dict(p) for p in network.dns_to], "ports": [dict(p) for p in DNS_PORTS]})
-    egress += [json.loads(json.dumps(rule)) for rule in network.egress_to]
+    egress += [copy.deepcopy(rule) for rule in network.egress_to]
     labels = _merge_labels(naming.base_labels(plan.name, "network-policy"),
                            naming.instance_labels(plan.name, plan.revision, instance.index))
     return {
