@@ -125,8 +125,8 @@ class LoopbackFFN:
     def acquire(self) -> FrameSet:
         return self.frames
 
-    def dispatch(self, layer, stage, frames, *, stages=1):
-        rows = min(self.layout.capacity, self.layout.reply_capacity)
+    def dispatch(self, layer, stage, frames, *, tokens, stages=1):
+        rows = min(self.layout.rows_message_rows(tokens), self.layout.reply_message_rows(tokens))
         frames.reply[:, :rows].copy_(frames.work[:, self.layout.header_rows:self.layout.header_rows + rows])
         self._pending.append(DispatchTicket(layer=layer, seq=len(self._pending), stage=stage))
         return self._pending[-1]

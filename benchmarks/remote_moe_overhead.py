@@ -71,7 +71,7 @@ class NoOpConnector:
     def release(self, frames):
         pass
 
-    def dispatch(self, layer, stage, payloads_or_frames, *, step=None, stages=1):
+    def dispatch(self, layer, stage, payloads_or_frames, *, step=None, tokens=None, stages=1):
         ticket = DispatchTicket(layer=layer, seq=self.seq, stage=stage)
         self.seq += 1
         if isinstance(payloads_or_frames, list):  # the per-rank payloads of wire format 1

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .compute import combine, route, shared_expert_output
-from .connector import AFDConnector
+from .contract import AFDConnector
 from .wire import KIND_WORK, DispatchTicket
 from .metrics import RuntimeMetrics
 from .model import GateWeights, SharedExpertWeights
@@ -176,10 +176,11 @@ class RemoteMoE:
                 shared_index = torch.zeros(real + 1, dtype=torch.int64, device=device).scatter_(0, target,
                                                                                                source)[:real]
 
+            tokens = torch.full((ffn, 1), real, dtype=torch.int64, device=device)  # a fill: no host sync
             layout.headers(frames.work).copy_(torch.cat([self._static_header(stage, stages, device).expand(ffn, -1),
-                                                         torch.stack([per_rank + extra, extra], 1), routed_counts,
-                                                         designated_counts], 1))
-            ticket = self.connector.dispatch(self.layer, stage, frames, stages=stages)
+                                                         tokens, torch.stack([per_rank + extra, extra], 1),
+                                                         routed_counts, designated_counts], 1))
+            ticket = self.connector.dispatch(self.layer, stage, frames, tokens=real, stages=stages)
         except BaseException:
             self.connector.release(frames)  # not dispatched: back to the pool
             raise

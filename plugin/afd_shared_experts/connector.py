@@ -1,14 +1,16 @@
-"""The AFD connector: the transport contract between Attention and FFN ranks (no model
-knowledge) and its torch.distributed point-to-point implementation, ``P2PConnector``.
+"""The AFD connector over torch.distributed point to point, ``P2PConnector``: the contract
+(``contract.py``) between Attention and FFN ranks, with no model knowledge.
 
-The frames are ``wire.py``'s, the links, handles and liveness ``transport.py``'s.
+The frames are ``wire.py``'s, the links ``links.py``'s, handles and liveness ``transport.py``'s.
 
-Per (layer, stage) an Attention rank makes one batched post per link: the work frames to every
-FFN rank on the work link and, at the same moment, the reply receives from every FFN rank on
-the reply link. On the ``direct`` plane nothing in that path reads device data on the host; on
+Per (layer, stage) an Attention rank posts the work frames to every FFN rank on the work link
+and, at the same moment, the reply receives from every FFN rank on the reply link, all sized by
+the dispatch's token count (``wire.py``). On the ``direct`` plane the work goes as two posts,
+the headers and then the rows, and nothing in that path reads device data on the host; on
 ``staged`` the frames go through host memory anyway, and their row counts are read there to
-send only the valid rows. An FFN rank keeps one work receive posted per Attention rank, reads
-each arrived header on its host and answers with the rows only.
+send only the valid rows, in one post. An FFN rank keeps one work receive posted per Attention
+rank (on ``direct`` the header's, then the rows' of the size the header gives), reads each
+arrived header on its host and answers with the rows only.
 
 Ordering and lifetime rules:
 1. A frame is read by its send in stream order (nccl/hccl order a send after the caller's
@@ -28,23 +30,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from .contract import AFDConnector
 from .config import DATA_PLANES, DEFAULT_RENDEZVOUS_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS, AFDConfig
 from .device import host_buffer, resolve_device, to_device, to_host
 from .frames import FramePool, FrameSet, new_frame_set, pool_size
 from .errors import AFDError, ConnectorClosedError, DeviceUnavailableError, PairingError, PayloadError, PeerLostError
 from .metrics import RuntimeMetrics
 from .rendezvous import agree_on_world, open_store
+from .links import LinkTransportFactory, link_transports
 from .transport import (DEVICE_POLL_SECONDS, LINKS, RECV, SEND, WAIT_SLICE_SECONDS, WATCHER_JOIN_SECONDS, Heartbeat,
-                        InFlight, Link, LinkTransportFactory, P2POperation, StreamOrdered, Transport, link_transports)
-from .wire import (BYTE_KINDS, KIND_SHUTDOWN, ROWS_FIELD, TAG_REPLY, TAG_WORK, DispatchTicket, FFNPayload,
-                   StepCounter, WireLayout, WorkItem, check_stage, unpack_work)
+                        InFlight, Link, P2POperation, StreamOrdered, Transport)
+from .wire import (BYTE_KINDS, KIND_SHUTDOWN, ROWS_FIELD, TAG_REPLY, TAG_WORK, TOKENS_FIELD, DispatchTicket,
+                   FFNPayload, StepCounter, WireLayout, WorkHeader, WorkItem, check_stage, frame_rows, read_work_header)
 
 CPU = torch.device("cpu")
 logger = logging.getLogger(__name__)
@@ -56,58 +59,6 @@ class _Dispatch:
     frames: FrameSet
     receives: list
     reply_rows: list[int] | None  # per FFN rank, known on the host under ``staged``
-
-
-class AFDConnector(ABC):
-    """Transport contract between Attention and FFN ranks (no model knowledge)."""
-
-    layout: WireLayout
-
-    @abstractmethod
-    def init(self) -> None: ...
-
-    @abstractmethod
-    def close(self) -> None:
-        """Idempotent; safe after partial init; drops pending work and unblocks receivers."""
-
-    @property
-    @abstractmethod
-    def is_initialized(self) -> bool: ...
-
-    # Attention side
-    @abstractmethod
-    def acquire(self) -> FrameSet:
-        """Frames for the next dispatch, free of any send or combine in flight."""
-
-    @abstractmethod
-    def dispatch(self, layer: int, stage: int, frames: FrameSet, *, stages: int = 1) -> DispatchTicket:
-        """Send one (layer, stage): ``frames.work[f]`` (header written) to FFN rank f, and post the
-        reply receives into ``frames.reply``. ``stages`` is how many stages this rank runs in
-        this step (the FFN expects its stages 0..stages-1 of each layer in order)."""
-
-    @abstractmethod
-    def receive_replies(self, stage: int) -> tuple[DispatchTicket, FrameSet]:
-        """The oldest pending dispatch of ``stage`` with its replies in ``frames.reply``
-        (readable in the caller's stream order); ``release`` the frames after use."""
-
-    @abstractmethod
-    def release(self, frames: FrameSet) -> None:
-        """Return a dispatch's frames to the pool once its combine has read the replies."""
-
-    # FFN side
-    @abstractmethod
-    def receive_work(self, timeout: float | None = None) -> WorkItem | None:
-        """Next work item from any Attention rank in arrival order; None when an Attention rank
-        shut down, when ``timeout`` seconds passed without work, or once no Attention rank is
-        active (``active_sources()`` tells them apart)."""
-
-    @abstractmethod
-    def active_sources(self) -> list[int]:
-        """Attention ranks that have not shut down."""
-
-    @abstractmethod
-    def send_reply(self, item: WorkItem, rows: torch.Tensor) -> None:
-        """Answer ``item`` (items of one source in arrival order) with its reply rows."""
 
 
 class P2PConnector(AFDConnector):
@@ -168,9 +119,10 @@ class P2PConnector(AFDConnector):
         self.frame_sets = frame_sets
         self._pool: FramePool | None = None  # Attention side, made at init()
         self._pending: dict[int, deque[_Dispatch]] = {}
-        # FFN side: per Attention rank, its posted work receive and the frames its items hold.
-        self._work_recvs: dict[int, tuple[object, torch.Tensor]] = {}
-        self._held: dict[int, deque[tuple[torch.Tensor, int, int]]] = {}  # (frame, layer, stage)
+        # FFN side: per Attention rank, its posted work receive (with the header already read when
+        # it is the direct plane's rows receive) and the frames its items hold.
+        self._work_recvs: dict[int, tuple[object, torch.Tensor, WorkHeader | None]] = {}
+        self._held: dict[int, deque[tuple[torch.Tensor, int, int, int]]] = {}  # frame, layer, stage, reply rows
         self._free_work: dict[int, list[torch.Tensor]] = {}
         self._source_steps: dict[int, StepCounter] = {}
         self._reply_flights: deque[InFlight] = deque()
@@ -216,8 +168,8 @@ class P2PConnector(AFDConnector):
             self.data_plane = agree_on_world(self._store, self.rank, self.world_size, self.requested_data_plane,
                                              self.device, self.layout)
             gloo = self._staged or (self.device.type == "cpu" and self._link_transport is None)
-            self._groups = link_transports(self._store, self.rank, self.world_size, self.device, gloo=gloo,
-                                           factory=self._link_transport)
+            self._groups = link_transports(self._store, self.rank, self.world_size, self.num_attention_ranks,
+                                           self.device, gloo=gloo, factory=self._link_transport)
         except (ValueError, DeviceUnavailableError):
             self._failed = True
             raise
@@ -277,10 +229,11 @@ class P2PConnector(AFDConnector):
         layout = self.layout
         frames = layout.work_frames(self.num_ffn_ranks, CPU)
         headers = layout.headers(frames).zero_()
-        headers[:, :ROWS_FIELD] = torch.tensor(layout.static_header(KIND_SHUTDOWN, -1, 0, 1, self.rank),
-                                               dtype=torch.int32)
-        rows = layout.header_rows if self._staged else layout.work_rows
-        ops = [P2POperation(SEND, self._on_link_device(frames[f, :rows]), self.num_attention_ranks + f, TAG_WORK)
+        headers[:, :TOKENS_FIELD] = torch.tensor(layout.static_header(KIND_SHUTDOWN, -1, 0, 1, self.rank),
+                                                 dtype=torch.int32)
+        # The header alone: the FFN side's posted receive is a header's (direct) or accepts it (staged).
+        ops = [P2POperation(SEND, self._on_link_device(frames[f, :layout.header_rows]), self.num_attention_ranks + f,
+                            TAG_WORK)
                for f in range(self.num_ffn_ranks)]
         try:
             handles = self._post("work", ops)
@@ -364,10 +317,11 @@ class P2PConnector(AFDConnector):
     def release(self, frames: FrameSet) -> None:
         self._pool.give_back(frames)
 
-    def dispatch(self, layer: int, stage: int, frames: FrameSet, *, stages: int = 1) -> DispatchTicket:
+    def dispatch(self, layer: int, stage: int, frames: FrameSet, *, tokens: int, stages: int = 1) -> DispatchTicket:
         self._require_open("attention")
         check_stage(stage, stages, what=f"rank {self.rank}: dispatch of layer {layer}")
         layout, first_ffn = self.layout, self.num_attention_ranks
+        layout.check_tokens(tokens, f"rank {self.rank}: dispatch of layer {layer}")
         ticket = DispatchTicket(layer=layer, seq=self._seq, stage=stage, step=self._steps.advance(layer, stage))
         self._seq += 1
         queue_ = self._pending.setdefault(stage, deque())
@@ -386,14 +340,20 @@ class P2PConnector(AFDConnector):
                 sends = to_host(sends, [frames.work_host[f, :len(send)] for f, send in enumerate(sends)])
             reply_rows = [h[ROWS_FIELD] + sum(h[-layout.local_experts:]) for h in header_values]  # + shared rows
             reply = frames.reply if frames.reply_host is None else frames.reply_host
-        else:
-            sends, reply_rows, reply = list(frames.work), None, frames.reply
-        send_handles = self._post("work", [P2POperation(SEND, sends[f], first_ffn + f, TAG_WORK) for f in ffn_ranks],
-                                  answered=True)  # an FFN rank replies once it has received all of its frame
+            posts = [sends]
+        else:  # the headers, then the rows sized for the rung of ``tokens``, as the FFN side posts them
+            header_rows, rows = layout.header_rows, layout.rows_message_rows(tokens)
+            posts = [[frames.work[f, :header_rows] for f in ffn_ranks],
+                     [frames.work[f, header_rows:header_rows + rows] for f in ffn_ranks]]
+            reply_rows, reply = None, frames.reply[:, :layout.reply_message_rows(tokens)]
+        for sends in posts:
+            send_handles = self._post("work", [P2POperation(SEND, sends[f], first_ffn + f, TAG_WORK)
+                                               for f in ffn_ranks],
+                                      answered=True)  # an FFN rank replies once it has received all of its frame
+            for handle, tensor in zip(send_handles, sends):
+                frames.sends.add(handle, tensor)
+                self._count("work", tensor.numel() * tensor.element_size())
         receives = self._post("reply", [P2POperation(RECV, reply[f], first_ffn + f, TAG_REPLY) for f in ffn_ranks])
-        for handle, tensor in zip(send_handles, sends):
-            frames.sends.add(handle, tensor)
-            self._count("work", tensor.numel() * tensor.element_size())
         queue_.append(_Dispatch(ticket, frames, receives, reply_rows))
         return ticket
 
@@ -427,6 +387,7 @@ class P2PConnector(AFDConnector):
 
     # ------------------------------------------------------------------ FFN side
     def _post_work_recv(self, source: int) -> None:
+        """The next work receive from ``source``: the whole frame (staged) or its header (direct)."""
         free = self._free_work[source]
         if free:
             frame = free.pop()
@@ -434,8 +395,16 @@ class P2PConnector(AFDConnector):
             device = CPU if self._staged else self.device
             frame = host_buffer((self.layout.work_rows, self.hidden_size), self.dtype, self.device) \
                 if self._host_staging else self.layout.work_frames(1, device)[0]
-        (handle,) = self._post("work", [P2POperation(RECV, frame, source, TAG_WORK)])
-        self._work_recvs[source] = (handle, frame)
+        message = frame if self._staged else frame[:self.layout.header_rows]
+        (handle,) = self._post("work", [P2POperation(RECV, message, source, TAG_WORK)])
+        self._work_recvs[source] = (handle, frame, None)
+
+    def _post_rows_recv(self, source: int, frame: torch.Tensor, header: WorkHeader) -> None:
+        """The direct plane's rows receive, of the size both ends derive from the header's tokens."""
+        start = self.layout.header_rows
+        rows = frame[start:start + self.layout.rows_message_rows(header.tokens)]
+        (handle,) = self._post("work", [P2POperation(RECV, rows, source, TAG_WORK)])
+        self._work_recvs[source] = (handle, frame, header)
 
     def active_sources(self) -> list[int]:
         return list(self._active_sources)
@@ -452,14 +421,20 @@ class P2PConnector(AFDConnector):
             count = len(self._active_sources)
             for offset in range(count):
                 source = self._active_sources[(self._next_source + offset) % count]
-                handle, frame = self._work_recvs[source]
-                if handle.is_completed():
-                    self._finish(handle, "work frame", [source])
-                    self._next_source = (self._next_source + offset + 1) % count
-                    item = self._take_work(source, frame)
-                    if item is not None and self.metrics is not None:
-                        self.metrics.ffn_work_wait.observe(time.monotonic() - started)
-                    return item  # None: the source shut down
+                handle, frame, header = self._work_recvs[source]
+                if not handle.is_completed():
+                    continue
+                self._finish(handle, "work frame", [source])
+                if header is None:  # the FFN side reads headers on its host
+                    header = read_work_header(frame, self.layout, source=source)
+                    if not self._staged and header.kind != KIND_SHUTDOWN:
+                        self._post_rows_recv(source, frame, header)  # arrives after the header
+                        continue
+                self._next_source = (self._next_source + offset + 1) % count
+                item = self._take_work(source, frame, header)
+                if item is not None and self.metrics is not None:
+                    self.metrics.ffn_work_wait.observe(time.monotonic() - started)
+                return item  # None: the source shut down
             self._check_progress("work", self._active_sources, None)
             waited = time.monotonic() - started
             if timeout is not None and waited >= timeout:
@@ -470,15 +445,15 @@ class P2PConnector(AFDConnector):
             else:
                 self._wakeup.wait(slice_)
 
-    def _take_work(self, source: int, frame: torch.Tensor) -> WorkItem | None:
-        work, rows = unpack_work(frame, self.layout, source=source)  # the FFN side reads headers on its host
+    def _take_work(self, source: int, frame: torch.Tensor, work: WorkHeader) -> WorkItem | None:
+        rows = frame_rows(frame, self.layout, work)
         if work.kind == KIND_SHUTDOWN:
             self._active_sources.remove(source)
             del self._work_recvs[source]
             return None
         if self._host_staging:
             rows = to_device(rows, self.device, reuse_host=True)
-        self._held[source].append((frame, work.layer, work.stage))
+        self._held[source].append((frame, work.layer, work.stage, self.layout.reply_message_rows(work.tokens)))
         # The next receive is posted at once: the sender may already be sending it.
         self._post_work_recv(source)
         return WorkItem(source=source, layer=work.layer, stage=work.stage, stages=work.stages,
@@ -492,20 +467,23 @@ class P2PConnector(AFDConnector):
         if rows.shape != (expected, self.hidden_size):
             raise PayloadError(f"reply rows shape {tuple(rows.shape)} must be ({expected}, {self.hidden_size})")
         held = self._held.get(item.source)
-        if not held or held[0][1:] != (item.layer, item.stage):
+        if not held or held[0][1:3] != (item.layer, item.stage):
             oldest = f"layer {held[0][1]} stage {held[0][2]}" if held else "none"
             raise PairingError(f"rank {self.rank}: reply to Attention rank {item.source} for layer {item.layer} stage "
                                f"{item.stage}, but its oldest unanswered work item is {oldest} (replies go out in "
                                "each Attention rank's dispatch order)")
-        self._free_work[item.source].append(held.popleft()[0])  # its rows were read to compute ``rows``
+        frame, _, _, reply_rows = held.popleft()
+        self._free_work[item.source].append(frame)  # its rows were read to compute ``rows``
         if self._staged:
-            (message,) = to_host([rows])
-        else:  # nccl/hccl receive exactly what is sent: the whole reply frame
-            message = self._reply_frames.pop() if self._reply_frames else self.layout.reply_frames(1, self.device)[0]
+            (buffer,) = to_host([rows])
+            message = buffer
+        else:  # nccl/hccl receive exactly what is sent: the reply of the dispatch's rung, posted by its size
+            buffer = self._reply_frames.pop() if self._reply_frames else self.layout.reply_frames(1, self.device)[0]
+            message = buffer[:reply_rows]
             message[:expected] = rows
         (handle,) = self._post("reply", [P2POperation(SEND, message, item.source, TAG_REPLY)])
         flight = InFlight()
-        flight.add(handle, message)
+        flight.add(handle, buffer)  # the whole buffer, reused for any later reply
         self._reply_flights.append(flight)
         self._count("replies", message.numel() * message.element_size())
         self._reap_replies()

@@ -82,7 +82,7 @@ def gloo_process_group(store: dist.Store, rank: int, world_size: int, timeout: t
 
 class DeviceStreams:
     """Streams and events of an accelerator through torch's device module (cuda; npu once
-    torch_npu is loaded): what ``transport.GroupedTransport`` needs. Untested on a device."""
+    torch_npu is loaded): what ``links.GroupedTransport`` needs. Untested on a device."""
 
     def __init__(self, device: torch.device):
         self.device = device

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from .compute import shared_expert_output, swiglu
-from .connector import AFDConnector
+from .contract import AFDConnector
 from .device import select_device
 from .wire import WorkItem
 from .errors import AFDError, ConnectorClosedError, PayloadError

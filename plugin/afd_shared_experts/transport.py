@@ -1,5 +1,6 @@
-"""Transport of the AFD connector: process-group links, batched posting, completion tracking,
-rendezvous and liveness. No message format (``wire.py``) and no pairing (``connector.py``) here.
+"""Transport of the AFD connector: the gloo link, batched posting, completion tracking,
+rendezvous and liveness (the links themselves, device ones included, are made in ``links.py``).
+No message format (``wire.py``) and no pairing (``connector.py``) here.
 
 Two links, one per direction, each a process group of its own (docs/plugin-runtime.md,
 "Connector"): ``work`` (Attention -> FFN) and ``reply`` (FFN -> Attention). On the ``direct``
@@ -23,8 +24,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from .device import gloo_process_group
-from .errors import ConnectorClosedError, DeviceUnavailableError, PeerLostError
+from .errors import ConnectorClosedError, PeerLostError
 
 WAIT_SLICE_SECONDS = 0.05
 # How often a device work's completion is polled (nccl/hccl works report it through an event).
@@ -75,126 +75,6 @@ class ProcessGroupTransport:
 
     def irecv(self, tensor, src, tag):
         return self.process_group.recv([tensor], src, tag)
-
-
-class Communicator(Protocol):
-    """A device link's communicator, as vLLM's ``PyNcclCommunicator`` and vllm-ascend's
-    ``PyHcclCommunicator`` offer it: sends and receives launched on a stream, grouped between
-    ``group_start`` and ``group_end`` (one fused launch), completing in stream order."""
-
-    def group_start(self) -> None: ...
-
-    def group_end(self) -> None: ...
-
-    def send(self, tensor: torch.Tensor, dst: int, stream=None) -> None: ...
-
-    def recv(self, tensor: torch.Tensor, src: int, stream=None) -> None: ...
-
-
-class Streams(Protocol):
-    """The stream and event operations a grouped link needs (``device.DeviceStreams`` on an
-    accelerator)."""
-
-    def new_stream(self): ...
-
-    def current_stream(self): ...
-
-    def new_event(self): ...
-
-
-class EventHandle:
-    """Completion of one grouped post: an event recorded on the link's stream after the group."""
-
-    __slots__ = ("event", "streams")
-
-    def __init__(self, event, streams: Streams):
-        self.event, self.streams = event, streams
-
-    def is_completed(self) -> bool:
-        return self.event.query()
-
-    def wait(self) -> None:
-        """The caller's current stream waits for the group (the host does not)."""
-        self.streams.current_stream().wait_event(self.event)
-
-
-class GroupedTransport:
-    """Untested on a device: run on the CPU only over the strict communicator double
-    (tests/plugin/strict_communicator.py); docs/plugin-runtime.md lists its known gaps.
-
-    A device link (the ``direct`` plane on an accelerator) over one communicator: every post
-    of either side, one operation or many, is one group on the link's own stream, so both ends
-    of every pair post the same way on the same communicator, and each link's operations
-    block only that link's stream (a receive waiting for the next work frame never holds up a
-    reply on the other link, nor the compute stream). The link stream first waits for the
-    caller's stream: the frames it sends were written there. No private torch API.
-
-    ``posting_device(device)`` is the calling thread's current device (``device.current_device``):
-    a thread that did not select the rank's device would launch on another device's stream."""
-
-    on_stream = True
-
-    def __init__(self, name: str, communicator: Communicator, streams: Streams, device: torch.device,
-                 posting_device: Callable[[torch.device], torch.device | None]):
-        self.name, self.communicator, self.streams, self.device = name, communicator, streams, device
-        self._posting_device = posting_device
-        self.stream = streams.new_stream()
-
-    def batch(self, ops: list[P2POperation]) -> list[EventHandle]:
-        selected = self._posting_device(self.device)
-        if selected is None or selected.type != self.device.type or \
-                (self.device.index is not None and selected.index != self.device.index):
-            raise RuntimeError(f"thread {threading.current_thread().name!r} posts on the {self.name} link of "
-                               f"{self.device} but selected {selected or 'no device'} (device.select_device)")
-        self.stream.wait_stream(self.streams.current_stream())
-        communicator = self.communicator
-        communicator.group_start()
-        try:
-            for op in ops:
-                post = communicator.send if op.kind == SEND else communicator.recv
-                post(op.tensor, op.peer, stream=self.stream)
-        finally:
-            communicator.group_end()
-        event = self.streams.new_event()
-        event.record(self.stream)
-        handle = EventHandle(event, self.streams)
-        return [handle] * len(ops)
-
-    def abort(self) -> None:
-        """Fail what the link's stream waits on (a lost peer): the communicator's abort."""
-        destroy = getattr(self.communicator, "destroy", None)
-        if destroy is not None:
-            destroy()
-
-
-# Makes one device link's transport: (link name, its store, world rank, world size, device).
-LinkTransportFactory = Callable[[str, dist.Store, int, int, torch.device], "Transport"]
-
-
-def accelerator_link_transport(name: str, store: dist.Store, rank: int, world_size: int,
-                               device: torch.device) -> GroupedTransport:
-    """One link of the ``direct`` plane on an accelerator: vLLM's communicator
-    (vllm/communicators.py), imported only here, when such a link is made."""
-    try:
-        from .vllm.communicators import link_transport
-    except ImportError as exc:
-        raise DeviceUnavailableError(
-            f"data plane direct on {device}: its links are vLLM's PyNcclCommunicator, and vLLM cannot be "
-            f"imported here ({exc}); use data_plane staged") from exc
-    return link_transport(name, store, rank, world_size, device)
-
-
-def link_transports(store: dist.Store, rank: int, world_size: int, device: torch.device, *, gloo: bool,
-                    factory: LinkTransportFactory | None) -> list:
-    """The world's two links (LINKS), each on a store prefix of its own: gloo groups (``gloo``:
-    the staged plane, and the CPU), else one communicator per link from ``factory`` (default:
-    vLLM's, ``accelerator_link_transport``)."""
-    stores = [dist.PrefixStore(f"afd/{name}", store) for name in LINKS]
-    if gloo:
-        return [ProcessGroupTransport(gloo_process_group(link_store, rank, world_size, PROCESS_GROUP_TIMEOUT))
-                for link_store in stores]
-    make = factory or accelerator_link_transport
-    return [make(name, link_store, rank, world_size, device) for name, link_store in zip(LINKS, stores)]
 
 
 class Tracked:

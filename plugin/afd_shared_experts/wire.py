@@ -1,20 +1,25 @@
-"""The AFD wire format (v2): one message each way per (layer, stage, Attention rank, FFN rank).
+"""The AFD wire format (v3): per (layer, stage, Attention rank, FFN rank) one work message
+(two on the ``direct`` plane) and one reply.
 
 Per Attention rank a -> FFN rank f (one AFD world: Attention ranks 0..A-1, FFN ranks A..A+F-1):
-- work: one *frame* [header_rows + capacity, H] in the model dtype. Its first ``header_rows``
+- work: a *frame* [header_rows + capacity, H] in the model dtype. Its first ``header_rows``
   rows carry an int32 header, bit for bit (layer, stage, the sender's stage count in this step,
-  row counts per local expert); the rows after it are the routed rows grouped by local expert
-  (within a group the rows whose shared work this rank does first), then the extra shared rows
-  of the contiguous partition.
+  the dispatch's token count, row counts per local expert); the rows after it are the routed
+  rows grouped by local expert (within a group the rows whose shared work this rank does
+  first), then the extra shared rows of the contiguous partition.
 - reply (f -> a): the rows only, [routed rows + shared rows, H] in the frame's row order, no
   header: the Attention side wrote the counts and reads them from its own copy, on its device.
-Every frame has the same fixed capacity, computed from the engine's token budget, top-k and
-the partition (``WireLayout``), so every receive is posted before its message exists: the
-reply receive at dispatch, the next work receive as soon as the previous work arrived. The
-``direct`` plane (nccl/hccl) sends whole frames (those backends need equal sizes on both ends);
-the ``staged`` plane (gloo) sends a frame's valid rows only, which a receive of the full
-capacity accepts. Every dispatch reaches every FFN rank (a header-only frame when it has no
-rows) and every FFN rank answers every dispatch, so no side waits for a message that never
+
+Sizes follow the step, not the token budget: a dispatch of T tokens is carried in frames sized
+for ``rung(T)`` tokens, the smallest power of two >= T (at most the budget's ``max_tokens``),
+so a message is at most twice the frame of exactly T tokens. The ``direct`` plane (nccl/hccl:
+both ends post equal sizes, and the sender cannot read its device-written row counts) sends
+the header alone, then the rows of the rung's capacity; the FFN side reads the header on its
+host (T is there) and posts the rows receive of the same size, then answers with a reply of
+the rung's reply capacity, which the Attention side posted knowing T. The ``staged`` plane
+(gloo) sends a frame up to its last valid row in one message, which a receive of the full
+capacity accepts. Every dispatch reaches every FFN rank (a frame with no rows when it has
+none) and every FFN rank answers every dispatch, so no side waits for a message that never
 comes. The FFN side counts each Attention rank's steps itself (``StepCounter``), so a step
 number never travels. Pure: no I/O.
 """
@@ -29,7 +34,7 @@ import torch
 from .config import MAX_STAGES, AFDConfig
 from .errors import AFDError, PayloadError
 
-MAGIC = 0xAFD2  # format version 2
+MAGIC = 0xAFD3  # format version 3
 KIND_WORK, KIND_SHUTDOWN = 1, 2
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Only gloo reads tags; pairing never depends on them (HCCL/NCCL ignore them).
@@ -37,10 +42,11 @@ TAG_WORK, TAG_REPLY = 1, 2
 BYTE_KINDS = ("work", "replies")
 SHARED_ROWS = ("none", "affinity", "contiguous")
 
-# The int32 header: the fixed fields, then the row counts of every local expert, then how many
-# of each expert's rows lead its group as shared-expert rows.
+# The int32 header: the fixed fields, the dispatch's tokens, its rows, then the row counts of
+# every local expert, then how many of each expert's rows lead its group as shared-expert rows.
 STATIC_FIELDS = ("magic", "kind", "layer", "stage", "stages", "source", "dtype", "hidden", "local_experts")
-ROWS_FIELD = len(STATIC_FIELDS)  # valid rows after the header: routed + extra shared
+TOKENS_FIELD = len(STATIC_FIELDS)  # tokens of the dispatch (sets the messages' sizes)
+ROWS_FIELD = TOKENS_FIELD + 1  # valid rows after the header: routed + extra shared
 EXTRA_FIELD = ROWS_FIELD + 1  # extra shared rows (contiguous partition), after the routed rows
 COUNTS_AT = EXTRA_FIELD + 1
 
@@ -102,25 +108,43 @@ class WireLayout:
     def header_rows(self) -> int:
         return math.ceil(self.header_len * 4 / (self.hidden_size * self.row_bytes_per_element))
 
-    @property
-    def routed_capacity(self) -> int:
-        return self.max_tokens * min(self.top_k, self.local_experts)
+    def rung(self, tokens: int) -> int:
+        """Tokens the messages of a ``tokens``-token dispatch are sized for: the smallest power
+        of two >= tokens (1 for none), at most ``max_tokens``; both ends compute it from T."""
+        return min(self.max_tokens, 1 << max(tokens - 1, 0).bit_length())
 
-    @property
-    def extra_capacity(self) -> int:
-        """Extra shared rows of one work frame (contiguous partition)."""
-        return -(-self.max_tokens // self.num_ffn_ranks) if self.shared == "contiguous" else 0
+    def routed_rows_for(self, tokens: int) -> int:
+        return tokens * min(self.top_k, self.local_experts)
+
+    def extra_rows_for(self, tokens: int) -> int:
+        """Extra shared rows of one work frame (contiguous partition): one FFN rank's range."""
+        return -(-tokens // self.num_ffn_ranks) if self.shared == "contiguous" else 0
+
+    def capacity_for(self, tokens: int) -> int:
+        """Rows after the header that a dispatch of ``tokens`` tokens may fill."""
+        return self.routed_rows_for(tokens) + self.extra_rows_for(tokens)
+
+    def reply_capacity_for(self, tokens: int) -> int:
+        """Rows of a reply to a ``tokens``-token dispatch: the routed rows, then the shared outputs."""
+        shared = {"none": 0, "affinity": tokens, "contiguous": self.extra_rows_for(tokens)}[self.shared]
+        return self.routed_rows_for(tokens) + shared
+
+    def rows_message_rows(self, tokens: int) -> int:
+        """Rows of the direct plane's rows message (and receive) for a ``tokens``-token dispatch."""
+        return self.capacity_for(self.rung(tokens))
+
+    def reply_message_rows(self, tokens: int) -> int:
+        """Rows of the direct plane's reply (and its receive) to a ``tokens``-token dispatch."""
+        return self.reply_capacity_for(self.rung(tokens))
 
     @property
     def capacity(self) -> int:
-        """Rows of one work frame after its header."""
-        return self.routed_capacity + self.extra_capacity
+        """Rows of one work frame after its header (the budget's)."""
+        return self.capacity_for(self.max_tokens)
 
     @property
     def reply_capacity(self) -> int:
-        """Rows of one reply: the routed rows, then the shared outputs."""
-        shared = {"none": 0, "affinity": self.max_tokens, "contiguous": self.extra_capacity}[self.shared]
-        return self.routed_capacity + shared
+        return self.reply_capacity_for(self.max_tokens)
 
     @property
     def work_rows(self) -> int:
@@ -170,6 +194,7 @@ class WorkHeader:
     layer: int
     stage: int
     stages: int
+    tokens: int
     rows: int
     routed_counts: tuple[int, ...]
     shared_prefix: tuple[int, ...]
@@ -191,24 +216,37 @@ def decode_work_header(values: list[int], layout: WireLayout, *, source: int) ->
     experts = layout.local_experts
     routed = tuple(values[COUNTS_AT:COUNTS_AT + experts])
     prefix = tuple(values[COUNTS_AT + experts:COUNTS_AT + 2 * experts])
-    rows, extra = values[ROWS_FIELD], values[EXTRA_FIELD]
+    tokens, rows, extra = values[TOKENS_FIELD], values[ROWS_FIELD], values[EXTRA_FIELD]
+    if not 0 <= tokens <= layout.max_tokens:
+        raise PayloadError(f"{what}: field tokens must be in [0, {layout.max_tokens}] (got {tokens})")
     if any(c < 0 for c in routed) or extra < 0 or any(not 0 <= p <= c for p, c in zip(prefix, routed)):
         raise PayloadError(f"{what}: row counts must satisfy 0 <= shared_prefix <= routed_counts and shared_extra >= 0 "
                            f"(got routed {list(routed)}, shared_prefix {list(prefix)}, shared_extra {extra})")
-    if rows != sum(routed) + extra or rows > layout.capacity:
+    capacity = layout.capacity_for(tokens)
+    if rows != sum(routed) + extra or rows > capacity:
         raise PayloadError(f"{what}: field rows must equal the routed rows plus shared_extra and be at most the "
-                           f"capacity {layout.capacity} (got rows {rows}, routed {sum(routed)}, shared_extra {extra})")
+                           f"capacity {capacity} of {tokens} tokens (got rows {rows}, routed {sum(routed)}, "
+                           f"shared_extra {extra})")
     if kind == KIND_WORK:
         check_stage(fields["stage"], fields["stages"], what=what)
-    return WorkHeader(kind=kind, layer=fields["layer"], stage=fields["stage"], stages=fields["stages"], rows=rows,
-                      routed_counts=routed, shared_prefix=prefix, shared_extra=extra)
+    return WorkHeader(kind=kind, layer=fields["layer"], stage=fields["stage"], stages=fields["stages"], tokens=tokens,
+                      rows=rows, routed_counts=routed, shared_prefix=prefix, shared_extra=extra)
+
+
+def read_work_header(frame: torch.Tensor, layout: WireLayout, *, source: int) -> WorkHeader:
+    """The header of a received work frame [work_rows, H], read on the host."""
+    return decode_work_header(layout.headers(frame.unsqueeze(0))[0].tolist(), layout, source=source)
+
+
+def frame_rows(frame: torch.Tensor, layout: WireLayout, header: WorkHeader) -> torch.Tensor:
+    """The valid rows of a work frame after its header."""
+    return frame[layout.header_rows:layout.header_rows + header.rows]
 
 
 def unpack_work(frame: torch.Tensor, layout: WireLayout, *, source: int) -> tuple[WorkHeader, torch.Tensor]:
     """A received work frame [work_rows, H]: its header (read on the host) and its valid rows."""
-    values = layout.headers(frame.unsqueeze(0))[0].tolist()
-    header = decode_work_header(values, layout, source=source)
-    return header, frame[layout.header_rows:layout.header_rows + header.rows]
+    header = read_work_header(frame, layout, source=source)
+    return header, frame_rows(frame, layout, header)
 
 
 class StepCounter:

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from afd_devcluster import free_port
+from afd_shared_experts.device import select_device
 from afd_shared_experts.model import DTYPES
 from afd_shared_experts.moe_spec import GATE_SIGMOID_GROUPED, load_spec
 
@@ -157,7 +158,9 @@ def connected(model_dir, attention_ranks: int, ffn_ranks: int, timeout: float = 
         made.append(make_connector(spec, role, rank, attention_ranks, ffn_ranks, port, timeout=timeout, dtype=dtype,
                                    metrics=RuntimeMetrics(role) if with_metrics else None, **options))
     try:
-        run_threads([c.init for c in made], timeout=RENDEZVOUS_TIMEOUT + 10)
+        # Each rank's init on a thread that selected its device, as a rank's main thread does (an FFN
+        # rank posts its first receives there).
+        run_threads([lambda c=c: (select_device(c.device), c.init()) for c in made], timeout=RENDEZVOUS_TIMEOUT + 10)
     except BaseException:
         for c in made:
             c.close()
@@ -172,7 +175,7 @@ class ThreadWorld:
     def __init__(self, model_dir, attention_ranks: int, ffn_ranks: int, *, placement: str = "ffn",
                  partition: str = "affinity", dtype: str = "float32", timeout: float = 20.0,
                  transport_wrapper=None, with_metrics: bool = False, data_plane: str | None = None,
-                 max_tokens: int = MAX_TOKENS):
+                 max_tokens: int = MAX_TOKENS, link_transport=None):
         from afd_shared_experts.attention import AttentionMoELayer, RemoteMoE
         from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
         from afd_shared_experts.model import load_attention_weights, load_ffn_weights
@@ -181,7 +184,8 @@ class ThreadWorld:
         torch_dtype = DTYPES[dtype]
         spec, connectors = connected(
             model_dir, attention_ranks, ffn_ranks, timeout, torch_dtype, with_metrics=with_metrics, placement=placement,
-            partition=partition, max_tokens=max_tokens, transport_wrapper=transport_wrapper, data_plane=data_plane)
+            partition=partition, max_tokens=max_tokens, transport_wrapper=transport_wrapper, data_plane=data_plane,
+            link_transport=link_transport)
         self.spec = spec
         self.attention_connectors, self.ffn_connectors = connectors[:attention_ranks], connectors[attention_ranks:]
         self.attention_weights = [load_attention_weights(model_dir, spec, placement, torch_dtype)

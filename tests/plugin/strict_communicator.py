@@ -1,6 +1,6 @@
 """NCCL's point-to-point rules on the CPU: a double of vLLM's ``PyNcclCommunicator`` that
 fails, with a description, where NCCL would hang or corrupt, driving the real
-``transport.GroupedTransport`` (the direct plane's code path on a GPU) over gloo.
+``links.GroupedTransport`` (the direct plane's code path on a GPU) over gloo.
 
 What it enforces, per link and rank:
 1. every send and receive is posted between ``group_start`` and ``group_end``, by the thread
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from afd_shared_experts.device import current_device
-from afd_shared_experts.transport import GroupedTransport
+from afd_shared_experts.links import GroupedTransport
 
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(
     (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8, torch.int8))}

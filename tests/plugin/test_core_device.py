@@ -44,7 +44,7 @@ class LoopbackConnector:
         return FrameSet(work=layout.work_frames(layout.num_ffn_ranks, self.device),
                         reply=layout.reply_frames(layout.num_ffn_ranks, self.device))
 
-    def dispatch(self, layer, stage, frames, *, stages=1):
+    def dispatch(self, layer, stage, frames, *, tokens, stages=1):
         self.dispatched.append(frames.work.clone())
         self.answer(frames)
         ticket = DispatchTicket(layer=layer, seq=len(self.dispatched), stage=stage)

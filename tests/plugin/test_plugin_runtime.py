@@ -128,9 +128,9 @@ def test_work_of_every_attention_rank_is_served_in_one_pass_whatever_the_arrival
         original = connector._take_work  # looked up per header, also by a receive already waiting
         arrived = []
 
-        def take_work(source, header):
+        def take_work(source, frame, header):
             arrived.append(source)
-            return original(source, header)
+            return original(source, frame, header)
 
         connector._take_work = take_work
         layer = spec.moe_layers[0]

@@ -1,4 +1,4 @@
-"""The direct plane's accelerator code path (transport.GroupedTransport) on the CPU, under a
+"""The direct plane's accelerator code path (links.GroupedTransport) on the CPU, under a
 communicator double that enforces NCCL's point-to-point rules (strict_communicator.py): the
 double's rules one by one, then the real Attention and FFN code in real rank processes."""
 
@@ -22,7 +22,8 @@ from afd_shared_experts.device import select_device
 from afd_shared_experts.errors import AFDError
 from afd_shared_experts.moe_spec import load_spec
 from afd_shared_experts.selfcheck import token_range
-from afd_shared_experts.transport import SEND, GroupedTransport, P2POperation, accelerator_link_transport
+from afd_shared_experts.links import GroupedTransport, accelerator_link_transport
+from afd_shared_experts.transport import SEND, P2POperation
 from plugin_harness import assert_matches_oracle, oracle_outputs, run_threads
 from strict_communicator import ContractViolation, StrictCommunicator, StrictStreams, strict_link_transport
 
@@ -114,7 +115,8 @@ def _capture(fn, errors):
 
 # --------------------------------------------------------------------------- real rank processes
 
-ATTENTION_RANKS, FFN_RANKS, STEPS, TOKENS = 2, 3, 3, 11
+ATTENTION_RANKS, FFN_RANKS, TOKENS = 2, 3, 11
+STEP_TOKENS = (1, 4, None)  # per Attention rank; None: its whole share
 VARIANTS = [(placement, stages) for placement in ("ffn", "attention") for stages in (1, 2)]
 
 
@@ -145,8 +147,9 @@ def _attention_rank(model_dir, rank: int, variants, ports, x, results) -> None:
                                                                  shared=w.shared))
                           for l, w in weights.items()}
                 outputs = {}
-                for _ in range(STEPS):
-                    parts = [x[slice(*token_range(s, x.shape[0], stages))] for s in range(stages)]
+                for tokens in STEP_TOKENS:  # messages sized for 1, 4 and all tokens; the last step is checked
+                    step_x = x[:tokens]
+                    parts = [step_x[slice(*token_range(s, step_x.shape[0], stages))] for s in range(stages)]
                     for l, moe in layers.items():
                         pending = [moe.remote.dispatch(part, *route(spec, moe.gate, part), stage=s, stages=stages)
                                    for s, part in enumerate(parts)]
@@ -226,7 +229,41 @@ def test_2a_3f_on_the_grouped_device_path_for_both_placements_and_one_and_two_st
         assert_matches_oracle(got, expected, "float32")
         served = [payload for role, _, p, s, payload in collected if (role, p, s) == ("ffn", placement, stages)]
         # every FFN rank served every (step, layer, stage) of both Attention ranks
-        assert served == [ATTENTION_RANKS * STEPS * len(spec.moe_layers) * stages] * FFN_RANKS, served
+        assert served == [ATTENTION_RANKS * len(STEP_TOKENS) * len(spec.moe_layers) * stages] * FFN_RANKS, served
+
+
+@pytest.mark.parametrize("placement", ["ffn", "attention"])
+def test_bytes_per_layer_follow_the_steps_tokens_within_twice_their_exact_frames(checkpoints, placement):
+    """On the device path a dispatch of T tokens travels in messages sized for the next power of
+    two (both ends derive it from the header's T): at most twice the frames of exactly T tokens,
+    whatever the token budget (here 2048, so a 1-token step used to carry 2048 tokens' frames)."""
+    from plugin_harness import ThreadWorld
+
+    budget = 2048
+    with ThreadWorld(checkpoints["deepseek_v3"], 1, 2, placement=placement, data_plane="direct", max_tokens=budget,
+                     link_transport=strict_link_transport(stall_seconds=30.0)) as world:
+        attention, layout = world.attention_connectors[0], world.attention_connectors[0].layout
+        layers, row_bytes = len(world.spec.moe_layers), layout.hidden_size * layout.row_bytes_per_element
+        for tokens in (1, 8, 32, 256, 2048):
+            x = torch.randn(tokens, world.spec.hidden_size, generator=torch.Generator().manual_seed(tokens))
+            work_before = attention.sent_bytes["work"]
+            replies_before = sum(c.sent_bytes["replies"] for c in world.ffn_connectors)
+
+            def forward():
+                select_device(CPU)
+                return {l: moe.forward(x) for l, moe in world.layers[0].items()}
+
+            (outputs,) = run_threads([forward], timeout=120)
+            work = (attention.sent_bytes["work"] - work_before) / layers
+            replies = (sum(c.sent_bytes["replies"] for c in world.ffn_connectors) - replies_before) / layers
+            exact_work = layout.num_ffn_ranks * (layout.header_rows + layout.capacity_for(tokens)) * row_bytes
+            exact_replies = layout.num_ffn_ranks * layout.reply_capacity_for(tokens) * row_bytes
+            assert exact_work <= work <= 2 * exact_work, (tokens, work, exact_work)
+            assert exact_replies <= replies <= 2 * exact_replies, (tokens, replies, exact_replies)
+            if tokens == 1:
+                assert work * 500 < layout.num_ffn_ranks * layout.work_rows * row_bytes  # not the budget's frames
+        assert_matches_oracle(outputs, oracle_outputs(checkpoints["deepseek_v3"], x, "float32", world.spec.moe_layers),
+                              "float32")
 
 
 def test_a_connector_without_vllm_refuses_the_direct_plane_on_an_accelerator_clearly():

@@ -1,16 +1,17 @@
 """The ``direct`` data plane's links on an accelerator: one vLLM ``PyNcclCommunicator`` per
-link (work, reply), created at the rendezvous from the AFD world's own store, before vLLM's
-memory profile (the connector is made while the model is built).
+(Attention rank, FFN rank) pair and link (work, reply), created at the rendezvous from the AFD
+world's own store (``links.link_transports``), before vLLM's memory profile (the connector is
+made while the model is built).
 
 Untested on a device: no GPU or NPU has run this module. What is tested on the CPU is the
-transport it feeds (``transport.GroupedTransport``) over a communicator double that enforces
+transport it feeds (``links.GroupedTransport``) over a communicator double that enforces
 NCCL's rules (tests/plugin/strict_communicator.py).
 
 Why a communicator of our own rather than torch's ``ProcessGroupNCCL``: torch picks a batched
 point-to-point op's NCCL communicator like a collective's and a single op's as a two-rank pair
 communicator, so a side that posts one operation and a peer that posts several would wait in
 two different communicators; grouping every post needs torch's private coalescing API.
-``PyNcclCommunicator`` has one communicator for the link and explicit ``group_start``/``group_end``.
+``PyNcclCommunicator`` is one communicator with explicit ``group_start``/``group_end``.
 
 NPU: vllm-ascend's ``PyHcclCommunicator`` (as read at vllm-ascend commit 1e263ae) offers
 ``all_reduce`` and ``broadcast`` only, no ``send``/``recv``, so an NPU world runs the
@@ -27,11 +28,11 @@ from vllm.distributed.utils import StatelessProcessGroup
 
 from ..device import DeviceStreams, current_device
 from ..errors import DeviceUnavailableError
-from ..transport import GroupedTransport
+from ..links import GroupedTransport
 
 
 def link_transport(name: str, store: dist.Store, rank: int, world_size: int, device: torch.device) -> GroupedTransport:
-    """One link of the AFD world (every rank calls this for the same link at the same time)."""
+    """One pair's communicator of a link (both ranks of the pair call this at the same time)."""
     if device.type != "cuda":
         raise DeviceUnavailableError(
             f"data plane direct on {device.type}: its links need a point-to-point communicator, and "
