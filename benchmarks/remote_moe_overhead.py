@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from afd_shared_experts.connector import FrameSet
-from afd_shared_experts.wire import DispatchTicket, WireLayout
+from afd_shared_experts.wire import DispatchTicket
 
 V3_SHAPE = {"hidden_size": 7168, "moe_intermediate_size": 2048, "shared_intermediate_size": 2048,
             "num_routed_experts": 256, "top_k": 8, "num_groups": 8, "topk_groups": 4,
@@ -125,8 +125,11 @@ def v3_inputs(spec, tokens: int, device, dtype=torch.bfloat16):
 
 def build_remote(attention_module, spec, partition: str, ffn_ranks: int, device, dtype=torch.bfloat16,
                  max_tokens: int = 1):
-    layout = WireLayout(hidden_size=spec.hidden_size, dtype=dtype, local_experts=spec.local_experts(ffn_ranks),
-                        num_ffn_ranks=ffn_ranks, top_k=spec.top_k, max_tokens=max_tokens, shared=partition)
+    # The measured package's own wire layout: frame shapes differ between wire formats.
+    package = attention_module.__name__.rsplit(".", 1)[0]
+    layout = importlib.import_module(f"{package}.wire").WireLayout(
+        hidden_size=spec.hidden_size, dtype=dtype, local_experts=spec.local_experts(ffn_ranks),
+        num_ffn_ranks=ffn_ranks, top_k=spec.top_k, max_tokens=max_tokens, shared=partition)
     connector = NoOpConnector(spec.hidden_size, dtype, device, layout)
     return attention_module.RemoteMoE(spec=spec, layer=0, connector=connector, num_ffn_ranks=ffn_ranks,
                                       placement="ffn", partition=partition, dtype=dtype)
