@@ -15,7 +15,7 @@ core 0 beside the engine core, the layout of earlier runs. For each
 concurrency (--concurrency, default 8 and 64) every configuration gets that many requests at
 once, --repeats times, and reports its best output tokens/s; --rounds repeats the whole cycle
 of configurations (the best of all rounds counts), so a change in the machine's load hits them
-all. Printed: tokens/s per configuration and the ratios S=2/S=1 and AFD/plain; and, from the
+all; the ratios are also printed per round, as their median and spread over the rounds. Printed: tokens/s per configuration and the ratios S=2/S=1 and AFD/plain; and, from the
 kernel's CPU accounting of each process tree during the best load (no profiler, nothing
 perturbed), how busy AFD's Attention engine core and FFN server were (CPU s / wall s, 1 = its core
 all the time), the Attention engine's CPU per load at S=2 against S=1 (what splitting a step costs
@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -330,12 +331,14 @@ def serve_suite(args, root: Path) -> int:
         configurations += [("AFD 1 stage, front end core 0", 1, None, ATTENTION_CORE),
                            ("AFD 2 stages, front end core 0", 2, None, ATTENTION_CORE)]
     best: dict[str, dict[int, Load]] = {}
+    per_round: dict[str, list[dict[int, float]]] = {}  # each round's best tokens/s per concurrency
     for round_ in range(args.rounds):
         for index, (name, stages, min_split, frontend_cores) in enumerate(configurations):
             measured = serve_configuration(args, model, root, f"c{index}-r{round_}", stages, min_split,
                                            frontend_cores, loads)
             earlier = best.get(name, {})
             best[name] = {n: fastest(earlier.get(n), load) for n, load in measured.items()}
+            per_round.setdefault(name, []).append({n: load.tokens_per_second for n, load in measured.items()})
     print(f"vllm serve, DeepSeek-V3-style (hidden 512, 4 layers, 8 routed experts of 256, top-2, 1 shared), "
           f"float32, {'eager' if args.eager else 'vLLM default compilation'}, prompts of {args.prompt_len} tokens, "
           f"{args.max_tokens} new tokens each, --max-num-batched-tokens {args.token_budget}; plain on cores 0-1, "
@@ -355,6 +358,13 @@ def serve_suite(args, root: Path) -> int:
                       f"S=2 {two / pinned_two:.2f}")
         print(f"{n} requests: S=2 / S=1 = {two / one:.2f}, AFD S=2 / plain = {two / plain:.2f}, "
               f"AFD S=1 / plain = {one / plain:.2f}{split}{pinned}")
+    print(f"Ratios within each round (its best of {args.repeats} per configuration): median (min-max) of "
+          f"{args.rounds} round(s)")
+    (plain_name, *_), (one_name, *_), (two_name, *_) = configurations[:3]
+    for n in args.concurrency:
+        print(f"{n} requests: S=2 / S=1 = {round_ratios(per_round, two_name, one_name, n)}, AFD S=2 / plain = "
+              f"{round_ratios(per_round, two_name, plain_name, n)}, AFD S=1 / plain = "
+              f"{round_ratios(per_round, one_name, plain_name, n)}")
     print("CPU of the best loads (kernel accounting): busy = CPU s / wall s of the Attention engine core (core 0) "
           "and the FFN server (core 1)")
     for n in args.concurrency:
@@ -367,6 +377,13 @@ def serve_suite(args, root: Path) -> int:
             waits = [reply_waits(read_traces(load.trace_dir), load.window) for load in (one, two)]
             print(f"{n} requests: " + wait_reading(one, two, *waits))
     return 0
+
+
+def round_ratios(per_round: dict[str, list[dict[int, float]]], numerator: str, denominator: str, n: int) -> str:
+    """Median (min-max) over rounds of one configuration's tokens/s over another's at concurrency
+    ``n``, each ratio within one round (the two measured minutes apart, not an hour)."""
+    ratios = sorted(a[n] / b[n] for a, b in zip(per_round[numerator], per_round[denominator]))
+    return f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
 
 
 def cpu_reading(plain: Load, one: Load, two: Load) -> str:

@@ -137,6 +137,13 @@ def test_serve_benchmark_bounds_afd_by_its_attention_engines_cpu(e2e):
         "AFD / plain at most 0.81")
 
 
+def test_serve_benchmark_reports_each_rounds_ratio_as_median_and_spread(e2e):
+    """Each ratio within one round, then their median and range: a round slowed throughout
+    moves both of its configurations, not the ratio."""
+    per_round = {"S=2": [{64: 130.0}, {64: 60.0}, {64: 120.0}], "S=1": [{64: 100.0}, {64: 50.0}, {64: 100.0}]}
+    assert e2e.round_ratios(per_round, "S=2", "S=1", 64) == "1.20 (1.20-1.30)"
+
+
 def test_stages_benchmark_says_when_the_scheduler_held_requests_back(e2e):
     assert e2e.held_back("AFD ffn S=2", 32, 32) is None
     assert e2e.held_back("AFD ffn S=2", 64, 32) == (
