@@ -11,8 +11,8 @@
 2. Graph capture: one RemoteMoE layer at DeepSeek-V3 shapes (hidden 7168, 256 routed experts,
    top-8 of 8 groups keeping 4, bf16, F = 16), called through the custom ops ``afd::dispatch``
    and ``afd::combine``, against a device-side loopback FFN (each reply is a device copy of
-   its work frame's first rows, of the direct plane's reply size; no transport, no host work,
-   no FFN compute), captured in a CUDA graph under sync-debug mode "error" and
+   its work frame's rows, as many bytes as a direct-plane send of the whole frame moves; no
+   transport, no host work), captured in a CUDA graph under sync-debug mode "error" and
    replayed on new inputs; the replay must equal the eager layer bit for bit. Frames are sized
    for the largest token count of step 3.
 3. Timings: that layer's dispatch + combine per step for 1, 64 and 512 tokens, eager and
@@ -112,8 +112,7 @@ def selfcheck_all(device: torch.device, attention_ranks: int, ffn_ranks: int, to
 
 class LoopbackFFN:
     """The connector as the layer sees it, with the FFN side done on the device: each reply is
-    its work frame's first rows (finite values, unlike the combine map's bits), by device copies
-    only, on one static frame set."""
+    its work frame's rows (identity experts), by device copies only, on one static frame set."""
 
     rank = 0
 
@@ -127,10 +126,8 @@ class LoopbackFFN:
         return self.frames
 
     def dispatch(self, layer, stage, frames, *, tokens, stages=1):
-        layout = self.layout
-        start, rows = layout.rows_start(tokens), min(layout.capacity_for(layout.rung(tokens)),
-                                                     layout.reply_message_rows(tokens))
-        frames.reply[:, :rows].copy_(frames.work[:, start:start + rows])
+        rows = min(self.layout.rows_message_rows(tokens), self.layout.reply_message_rows(tokens))
+        frames.reply[:, :rows].copy_(frames.work[:, self.layout.header_rows:self.layout.header_rows + rows])
         self._pending.append(DispatchTicket(layer=layer, seq=len(self._pending), stage=stage))
         return self._pending[-1]
 

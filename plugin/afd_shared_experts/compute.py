@@ -66,25 +66,20 @@ def shared_expert_output(x: torch.Tensor, shared: SharedExpertWeights) -> torch.
     return out
 
 
-def combine_scales(has_shared: bool, routed_scaling_factor: float, dtype: torch.dtype) -> tuple[float, float]:
-    """(factor of the weighted routed sum, factor of S(x)) in the MoE output.
+def combine(
+    routed_sum: torch.Tensor, shared_out: torch.Tensor | None, routed_scaling_factor: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """Final MoE output from the weighted routed sum (float32, unscaled) and S(x) (None: the
+    model has no shared expert).
 
     Non-fp16, or no shared expert: r * routed + S. fp16 with a shared expert (vLLM's overflow
     guard; the model keeps its residual stream scaled by 1/r): routed + S / r. Either way r is
     applied exactly once.
     """
-    if has_shared and dtype == torch.float16:
-        return 1.0, 1.0 / routed_scaling_factor
-    return routed_scaling_factor, 1.0
-
-
-def combine(
-    routed_sum: torch.Tensor, shared_out: torch.Tensor | None, routed_scaling_factor: float, dtype: torch.dtype
-) -> torch.Tensor:
-    """Final MoE output from the weighted routed sum (float32, unscaled) and S(x) (None: the
-    model has no shared expert), scaled by ``combine_scales``."""
-    routed_scale, shared_scale = combine_scales(shared_out is not None, routed_scaling_factor, dtype)
-    out = routed_sum * routed_scale
-    if shared_out is not None:
-        out = out + shared_out.float() * shared_scale
+    if shared_out is None:
+        return (routed_sum * routed_scaling_factor).to(dtype)
+    if dtype == torch.float16:
+        out = routed_sum + shared_out.float() * (1.0 / routed_scaling_factor)
+    else:
+        out = routed_sum * routed_scaling_factor + shared_out.float()
     return out.to(dtype)

@@ -9,8 +9,8 @@ the dispatch's token count (``wire.py``). On the ``direct`` plane the work goes 
 the headers and then the rows, and nothing in that path reads device data on the host; on
 ``staged`` the frames go through host memory anyway, and their row counts are read there to
 send only the valid rows, in one post. An FFN rank keeps one work receive posted per Attention
-rank (on ``direct`` the header's, then the map and rows' of the size the header gives), reads
-each arrived header on its host and answers with one row per token it serves.
+rank (on ``direct`` the header's, then the rows' of the size the header gives), reads each
+arrived header on its host and answers with the rows only.
 
 Ordering and lifetime rules:
 1. A frame is read by its send in stream order (nccl/hccl order a send after the caller's
@@ -46,9 +46,8 @@ from .rendezvous import agree_on_world, open_store
 from .links import LinkTransportFactory, link_transports
 from .transport import (DEVICE_POLL_SECONDS, LINKS, RECV, SEND, WAIT_SLICE_SECONDS, WATCHER_JOIN_SECONDS, Heartbeat,
                         InFlight, Link, P2POperation, StreamOrdered, Transport)
-from .wire import (BYTE_KINDS, KIND_SHUTDOWN, ROWS_FIELD, SERVED_FIELD, TAG_REPLY, TAG_WORK, TOKENS_FIELD,
-                   DispatchTicket, StepCounter, WireLayout, WorkHeader, WorkItem, check_combine_map, check_stage,
-                   read_work_header, unpack_work)
+from .wire import (BYTE_KINDS, KIND_SHUTDOWN, ROWS_FIELD, TAG_REPLY, TAG_WORK, TOKENS_FIELD, DispatchTicket,
+                   FFNPayload, StepCounter, WireLayout, WorkHeader, WorkItem, check_stage, frame_rows, read_work_header)
 
 CPU = torch.device("cpu")
 logger = logging.getLogger(__name__)
@@ -59,7 +58,7 @@ class _Dispatch:
     ticket: DispatchTicket
     frames: FrameSet
     receives: list
-    reply_rows: list[int] | None  # per FFN rank: its served tokens, known on the host under ``staged``
+    reply_rows: list[int] | None  # per FFN rank, known on the host under ``staged``
 
 
 class P2PConnector(AFDConnector):
@@ -332,14 +331,17 @@ class P2PConnector(AFDConnector):
         ffn_ranks = range(self.num_ffn_ranks)
         if self._staged:
             # The frames go through host memory: their row counts are read there, once per dispatch.
-            header_values = layout.headers(frames.work).cpu().tolist()
-            sends = [frames.work[f, :layout.rows_start(tokens) + h[ROWS_FIELD]] for f, h in enumerate(header_values)]
+            headers = layout.headers(frames.work)
+            if frames.work_host is not None:
+                headers = headers.cpu()
+            header_values = headers.tolist()
+            sends = [frames.work[f, :layout.header_rows + h[ROWS_FIELD]] for f, h in enumerate(header_values)]
             if frames.work_host is not None:
                 sends = to_host(sends, [frames.work_host[f, :len(send)] for f, send in enumerate(sends)])
-            reply_rows = [h[SERVED_FIELD] for h in header_values]
+            reply_rows = [h[ROWS_FIELD] + sum(h[-layout.local_experts:]) for h in header_values]  # + shared rows
             reply = frames.reply if frames.reply_host is None else frames.reply_host
             posts = [sends]
-        else:  # the headers, then the map and rows sized for the rung of ``tokens``, as the FFN side posts them
+        else:  # the headers, then the rows sized for the rung of ``tokens``, as the FFN side posts them
             header_rows, rows = layout.header_rows, layout.rows_message_rows(tokens)
             posts = [[frames.work[f, :header_rows] for f in ffn_ranks],
                      [frames.work[f, header_rows:header_rows + rows] for f in ffn_ranks]]
@@ -398,7 +400,7 @@ class P2PConnector(AFDConnector):
         self._work_recvs[source] = (handle, frame, None)
 
     def _post_rows_recv(self, source: int, frame: torch.Tensor, header: WorkHeader) -> None:
-        """The direct plane's map and rows receive, of the size both ends derive from the header's tokens."""
+        """The direct plane's rows receive, of the size both ends derive from the header's tokens."""
         start = self.layout.header_rows
         rows = frame[start:start + self.layout.rows_message_rows(header.tokens)]
         (handle,) = self._post("work", [P2POperation(RECV, rows, source, TAG_WORK)])
@@ -444,25 +446,24 @@ class P2PConnector(AFDConnector):
                 self._wakeup.wait(slice_)
 
     def _take_work(self, source: int, frame: torch.Tensor, work: WorkHeader) -> WorkItem | None:
+        rows = frame_rows(frame, self.layout, work)
         if work.kind == KIND_SHUTDOWN:
             self._active_sources.remove(source)
             del self._work_recvs[source]
             return None
-        payload = unpack_work(frame, self.layout, work)
-        if frame.device.type == "cpu":  # on a device, reduce_reply masks a bad index: no sync here
-            check_combine_map(payload, source=source)
-        if self._host_staging:  # one copy up of the frame's used part
-            used = frame[:self.layout.rows_start(work.tokens) + work.rows]
-            payload = unpack_work(to_device(used, self.device, reuse_host=True), self.layout, work)
+        if self._host_staging:
+            rows = to_device(rows, self.device, reuse_host=True)
         self._held[source].append((frame, work.layer, work.stage, self.layout.reply_message_rows(work.tokens)))
         # The next receive is posted at once: the sender may already be sending it.
         self._post_work_recv(source)
         return WorkItem(source=source, layer=work.layer, stage=work.stage, stages=work.stages,
-                        step=self._source_steps[source].advance(work.layer, work.stage), payload=payload)
+                        step=self._source_steps[source].advance(work.layer, work.stage),
+                        payload=FFNPayload(rows=rows, routed_counts=work.routed_counts,
+                                           shared_prefix=work.shared_prefix, shared_extra=work.shared_extra))
 
     def send_reply(self, item: WorkItem, rows: torch.Tensor) -> None:
         self._require_open("ffn")
-        expected = item.payload.served  # one row per token served
+        expected = item.payload.routed_rows + item.payload.shared_rows
         if rows.shape != (expected, self.hidden_size):
             raise PayloadError(f"reply rows shape {tuple(rows.shape)} must be ({expected}, {self.hidden_size})")
         held = self._held.get(item.source)
@@ -474,7 +475,8 @@ class P2PConnector(AFDConnector):
         frame, _, _, reply_rows = held.popleft()
         self._free_work[item.source].append(frame)  # its rows were read to compute ``rows``
         if self._staged:
-            message = buffer = to_host([rows])[0]
+            (buffer,) = to_host([rows])
+            message = buffer
         else:  # nccl/hccl receive exactly what is sent: the reply of the dispatch's rung, posted by its size
             buffer = self._reply_frames.pop() if self._reply_frames else self.layout.reply_frames(1, self.device)[0]
             message = buffer[:reply_rows]

@@ -13,7 +13,7 @@ import torch
 from .compute import shared_expert_output, swiglu
 from .contract import AFDConnector
 from .device import select_device
-from .wire import FFNPayload, WorkItem
+from .wire import WorkItem
 from .errors import AFDError, ConnectorClosedError, PayloadError
 from .ffn_batching import StageBatcher
 from .metrics import RuntimeMetrics
@@ -29,8 +29,8 @@ GATHER_WINDOW_SECONDS = 10.0
 
 class LayerExperts(Protocol):
     """One MoE layer's experts as an FFN rank computes them (torch here, vLLM kernels in
-    ``vllm.ffn``). Outputs are unweighted: ``reduce_reply`` applies the weights the Attention
-    side sent (top-k weights times the routed scaling factor)."""
+    ``vllm.ffn``). Outputs are unweighted: the Attention side's combine applies the top-k
+    weights and the routed scaling factor."""
 
     @property
     def holds_shared(self) -> bool: ...
@@ -95,20 +95,6 @@ def _shared_inputs(item: WorkItem) -> list[torch.Tensor]:
     return inputs
 
 
-def reduce_reply(outputs: torch.Tensor, payload: FFNPayload) -> torch.Tensor:
-    """One row per token served: its expert outputs here (routed in row order, then shared)
-    weighted by the combine map and summed in slot order in float32 (a gather, no atomics). An
-    index out of range (checked on the host for host payloads) adds nothing."""
-    indices, weights = payload.combine_rows, payload.combine_weights
-    served, hidden = indices.shape[0], outputs.shape[1]
-    if not outputs.shape[0]:
-        return outputs.new_zeros(served, hidden)
-    valid = (indices >= 0) & (indices < outputs.shape[0])
-    picked = outputs.index_select(0, torch.where(valid, indices, 0).view(-1).long()).view(*indices.shape, hidden)
-    weighted = torch.where(valid[:, :, None], picked.float() * weights[:, :, None], 0.0)
-    return weighted.sum(dim=1).to(outputs.dtype)
-
-
 class FFNRuntime:
     def __init__(self, connector: AFDConnector, experts: dict[int, LayerExperts], metrics: RuntimeMetrics | None = None,
                  *, gather_window: float | None = None):
@@ -132,17 +118,13 @@ class FFNRuntime:
         return self.connector.is_initialized and bool(self.experts) and self.error is None
 
     def process(self, item: WorkItem) -> tuple[torch.Tensor, int, int]:
-        """Expert outputs for one work item: routed outputs (wire order), then shared outputs."""
+        """Reply rows for one work item: routed outputs (wire order), then shared outputs."""
         return self.process_group([item])[0]
 
-    def reply(self, item: WorkItem) -> torch.Tensor:
-        """The reply to one work item: one row per token served (``reduce_reply``)."""
-        return reduce_reply(self.process(item)[0], item.payload)
-
     def process_group(self, items: list[WorkItem]) -> list[tuple[torch.Tensor, int, int]]:
-        """Expert outputs per item of one layer, from ONE routed pass over every item's routed rows
+        """Reply rows per item of one layer, from ONE routed pass over every item's routed rows
         (regrouped by local expert, so each expert's weights run once) and ONE shared pass over
-        every item's shared rows; each as ``process`` lays them out."""
+        every item's shared rows; each reply as ``process`` lays it out."""
         first = items[0]
         layer = self.experts.get(first.layer)
         if layer is None:
@@ -262,14 +244,13 @@ class FFNRuntime:
             trace.record("group_wait", waiting[0], wall_ns=waiting[1], rows=0, peers=len(group), **where)
         with self._item_lock:
             started = clocks()
-            replies = [reduce_reply(outputs, item.payload) for item, (outputs, _, _) in
-                       zip(group, self.process_group(group))]
+            replies = self.process_group(group)
             if trace is not None:
                 rows = sum(item.payload.rows.shape[0] for item in group)  # as the dispatches sent them
                 trace.record("expert_pass", started[0], wall_ns=started[1], rows=rows, peers=len(group), **where)
                 started = clocks()
-            for item, reply in zip(group, replies):
-                self.connector.send_reply(item, reply)
+            for item, (rows, _, _) in zip(group, replies):
+                self.connector.send_reply(item, rows)
             if trace is not None:
                 trace.record("reply", started[0], wall_ns=started[1], rows=0, peers=len(group), **where)
 

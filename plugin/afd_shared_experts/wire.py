@@ -1,28 +1,24 @@
-"""The AFD wire format (v4): per (layer, stage, Attention rank, FFN rank) one work message
+"""The AFD wire format (v3): per (layer, stage, Attention rank, FFN rank) one work message
 (two on the ``direct`` plane) and one reply.
 
 Per Attention rank a -> FFN rank f (one AFD world: Attention ranks 0..A-1, FFN ranks A..A+F-1):
-- work: a *frame* in the model dtype. Its first ``header_rows`` rows carry an int32 header,
-  bit for bit (layer, stage, the sender's stage count in this step, the dispatch's token count,
-  the tokens this rank serves, row counts per local expert); then the *combine map*; then the
-  routed rows grouped by local expert (within a group the rows whose shared work this rank does
+- work: a *frame* [header_rows + capacity, H] in the model dtype. Its first ``header_rows``
+  rows carry an int32 header, bit for bit (layer, stage, the sender's stage count in this step,
+  the dispatch's token count, row counts per local expert); the rows after it are the routed
+  rows grouped by local expert (within a group the rows whose shared work this rank does
   first), then the extra shared rows of the contiguous partition.
-- combine map: for each token this rank serves (a routed row or its shared work here), in token
-  order, ``combine_slots`` int32 indices into the rank's expert outputs (its routed outputs in
-  row order, then its shared outputs; -1: none) and as many float32 weights (the routing
-  weights times the routed scaling factor; the shared output's scale), bit for bit in rows.
-- reply (f -> a): one row per token served, [served, H]: the weighted sum of that token's
-  expert outputs on this rank, the reduce DeepEP's combine does on the expert side. The
-  Attention side sums at most one row per FFN rank per token.
+- reply (f -> a): the rows only, [routed rows + shared rows, H] in the frame's row order, no
+  header: the Attention side wrote the counts and reads them from its own copy, on its device.
 
 Sizes follow the step, not the token budget: a dispatch of T tokens is carried in frames sized
 for ``rung(T)`` tokens, the smallest power of two >= T (at most the budget's ``max_tokens``),
 so a message is at most twice the frame of exactly T tokens. The ``direct`` plane (nccl/hccl:
 both ends post equal sizes, and the sender cannot read its device-written row counts) sends
-the header alone, then the map and rows of the rung's capacity; the FFN side reads the header
-on its host (T is there) and posts the receive of the same size, then answers with a reply of
-``rung(T)`` rows, which the Attention side posted knowing T. The ``staged`` plane (gloo) sends
-a frame up to its last valid row in one message, which a receive of the full frame accepts. Every dispatch reaches every FFN rank (a frame with no rows when it has
+the header alone, then the rows of the rung's capacity; the FFN side reads the header on its
+host (T is there) and posts the rows receive of the same size, then answers with a reply of
+the rung's reply capacity, which the Attention side posted knowing T. The ``staged`` plane
+(gloo) sends a frame up to its last valid row in one message, which a receive of the full
+capacity accepts. Every dispatch reaches every FFN rank (a frame with no rows when it has
 none) and every FFN rank answers every dispatch, so no side waits for a message that never
 comes. The FFN side counts each Attention rank's steps itself (``StepCounter``), so a step
 number never travels. Pure: no I/O.
@@ -38,7 +34,7 @@ import torch
 from .config import MAX_STAGES, AFDConfig
 from .errors import AFDError, PayloadError
 
-MAGIC = 0xAFD4  # format version 4
+MAGIC = 0xAFD3  # format version 3
 KIND_WORK, KIND_SHUTDOWN = 1, 2
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Only gloo reads tags; pairing never depends on them (HCCL/NCCL ignore them).
@@ -46,13 +42,11 @@ TAG_WORK, TAG_REPLY = 1, 2
 BYTE_KINDS = ("work", "replies")
 SHARED_ROWS = ("none", "affinity", "contiguous")
 
-# The int32 header: the fixed fields, the dispatch's tokens, the tokens served here, its rows,
-# then the row counts of every local expert, then how many of each expert's rows lead its group
-# as shared-expert rows.
+# The int32 header: the fixed fields, the dispatch's tokens, its rows, then the row counts of
+# every local expert, then how many of each expert's rows lead its group as shared-expert rows.
 STATIC_FIELDS = ("magic", "kind", "layer", "stage", "stages", "source", "dtype", "hidden", "local_experts")
 TOKENS_FIELD = len(STATIC_FIELDS)  # tokens of the dispatch (sets the messages' sizes)
-SERVED_FIELD = TOKENS_FIELD + 1  # tokens this FFN rank serves: the reply's rows
-ROWS_FIELD = SERVED_FIELD + 1  # valid rows after the map: routed + extra shared
+ROWS_FIELD = TOKENS_FIELD + 1  # valid rows after the header: routed + extra shared
 EXTRA_FIELD = ROWS_FIELD + 1  # extra shared rows (contiguous partition), after the routed rows
 COUNTS_AT = EXTRA_FIELD + 1
 
@@ -67,10 +61,9 @@ class WireLayout:
     at rendezvous). ``max_tokens`` is the most tokens one dispatch carries (the engine's
     ``--max-num-batched-tokens``); a token's top-k experts are distinct, so one FFN rank gets at
     most ``min(top_k, local_experts)`` rows of it, plus one extra shared row under the contiguous
-    partition (at most ceil(tokens / F) of them per rank). A reply holds one row per token the
-    rank serves. Shared work on an FFN rank: under ``shared`` "affinity" on one of the token's
-    routed rows, under "contiguous" on the extra rows, under "none" (placement 'attention', or a
-    model without shared experts) none."""
+    partition (at most ceil(tokens / F) of them per rank). A reply holds the routed rows and
+    the shared ones: under ``shared`` "affinity" up to one per token, under "contiguous" the
+    extra rows, under "none" (placement 'attention', or a model without shared experts) none."""
 
     hidden_size: int
     dtype: torch.dtype
@@ -120,55 +113,42 @@ class WireLayout:
         of two >= tokens (1 for none), at most ``max_tokens``; both ends compute it from T."""
         return min(self.max_tokens, 1 << max(tokens - 1, 0).bit_length())
 
-    @property
-    def routed_slots(self) -> int:
-        """Most routed rows of one token on one FFN rank (a token's top-k experts are distinct)."""
-        return min(self.top_k, self.local_experts)
-
-    @property
-    def combine_slots(self) -> int:
-        """Combine map entries per served token: its routed outputs, then its shared output."""
-        return self.routed_slots + (self.shared != "none")
-
-    def map_rows_for(self, tokens: int) -> int:
-        """Rows of the combine map of a ``tokens``-token frame: an int32 index and a float32
-        weight per slot and token."""
-        return math.ceil(2 * tokens * self.combine_slots * 4 / (self.hidden_size * self.row_bytes_per_element))
-
     def routed_rows_for(self, tokens: int) -> int:
-        return tokens * self.routed_slots
+        return tokens * min(self.top_k, self.local_experts)
 
     def extra_rows_for(self, tokens: int) -> int:
         """Extra shared rows of one work frame (contiguous partition): one FFN rank's range."""
         return -(-tokens // self.num_ffn_ranks) if self.shared == "contiguous" else 0
 
     def capacity_for(self, tokens: int) -> int:
-        """Rows after the header and map that a dispatch of ``tokens`` tokens may fill."""
+        """Rows after the header that a dispatch of ``tokens`` tokens may fill."""
         return self.routed_rows_for(tokens) + self.extra_rows_for(tokens)
 
-    def rows_start(self, tokens: int) -> int:
-        """Where a ``tokens``-token dispatch's rows start in its frame: after its header and map."""
-        return self.header_rows + self.map_rows_for(self.rung(tokens))
+    def reply_capacity_for(self, tokens: int) -> int:
+        """Rows of a reply to a ``tokens``-token dispatch: the routed rows, then the shared outputs."""
+        shared = {"none": 0, "affinity": tokens, "contiguous": self.extra_rows_for(tokens)}[self.shared]
+        return self.routed_rows_for(tokens) + shared
 
     def rows_message_rows(self, tokens: int) -> int:
-        """Rows of the direct plane's second message (and receive) for a ``tokens``-token
-        dispatch: the rung's map and row capacity."""
-        rung = self.rung(tokens)
-        return self.map_rows_for(rung) + self.capacity_for(rung)
+        """Rows of the direct plane's rows message (and receive) for a ``tokens``-token dispatch."""
+        return self.capacity_for(self.rung(tokens))
 
     def reply_message_rows(self, tokens: int) -> int:
         """Rows of the direct plane's reply (and its receive) to a ``tokens``-token dispatch."""
-        return self.rung(tokens)
+        return self.reply_capacity_for(self.rung(tokens))
+
+    @property
+    def capacity(self) -> int:
+        """Rows of one work frame after its header (the budget's)."""
+        return self.capacity_for(self.max_tokens)
 
     @property
     def reply_capacity(self) -> int:
-        """Rows of one reply frame: every token of the budget's largest dispatch served."""
-        return self.max_tokens
+        return self.reply_capacity_for(self.max_tokens)
 
     @property
     def work_rows(self) -> int:
-        """Rows of one work frame: the header, the map and the rows of the budget's dispatch."""
-        return self.header_rows + self.map_rows_for(self.max_tokens) + self.capacity_for(self.max_tokens)
+        return self.header_rows + self.capacity
 
     def describe(self) -> str:
         """What two ranks must agree on, as one comparable string."""
@@ -215,7 +195,6 @@ class WorkHeader:
     stage: int
     stages: int
     tokens: int
-    served: int
     rows: int
     routed_counts: tuple[int, ...]
     shared_prefix: tuple[int, ...]
@@ -237,11 +216,9 @@ def decode_work_header(values: list[int], layout: WireLayout, *, source: int) ->
     experts = layout.local_experts
     routed = tuple(values[COUNTS_AT:COUNTS_AT + experts])
     prefix = tuple(values[COUNTS_AT + experts:COUNTS_AT + 2 * experts])
-    tokens, served, rows, extra = (values[f] for f in (TOKENS_FIELD, SERVED_FIELD, ROWS_FIELD, EXTRA_FIELD))
+    tokens, rows, extra = values[TOKENS_FIELD], values[ROWS_FIELD], values[EXTRA_FIELD]
     if not 0 <= tokens <= layout.max_tokens:
         raise PayloadError(f"{what}: field tokens must be in [0, {layout.max_tokens}] (got {tokens})")
-    if not 0 <= served <= tokens:
-        raise PayloadError(f"{what}: field served must be in [0, tokens] = [0, {tokens}] (got {served})")
     if any(c < 0 for c in routed) or extra < 0 or any(not 0 <= p <= c for p, c in zip(prefix, routed)):
         raise PayloadError(f"{what}: row counts must satisfy 0 <= shared_prefix <= routed_counts and shared_extra >= 0 "
                            f"(got routed {list(routed)}, shared_prefix {list(prefix)}, shared_extra {extra})")
@@ -253,7 +230,7 @@ def decode_work_header(values: list[int], layout: WireLayout, *, source: int) ->
     if kind == KIND_WORK:
         check_stage(fields["stage"], fields["stages"], what=what)
     return WorkHeader(kind=kind, layer=fields["layer"], stage=fields["stage"], stages=fields["stages"], tokens=tokens,
-                      served=served, rows=rows, routed_counts=routed, shared_prefix=prefix, shared_extra=extra)
+                      rows=rows, routed_counts=routed, shared_prefix=prefix, shared_extra=extra)
 
 
 def read_work_header(frame: torch.Tensor, layout: WireLayout, *, source: int) -> WorkHeader:
@@ -261,36 +238,15 @@ def read_work_header(frame: torch.Tensor, layout: WireLayout, *, source: int) ->
     return decode_work_header(layout.headers(frame.unsqueeze(0))[0].tolist(), layout, source=source)
 
 
-def combine_maps(frames: torch.Tensor, layout: WireLayout, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of the combine maps of work frames [n, rows, H] of a ``tokens``-token dispatch:
-    int32 indices and float32 weights, each [n, rung(tokens), combine_slots]."""
-    rung, slots = layout.rung(tokens), layout.combine_slots
-    words = frames[:, layout.header_rows:layout.header_rows + layout.map_rows_for(rung)].view(torch.int32)
-    words = words.view(frames.shape[0], -1)
-    size = rung * slots
-    return (words[:, :size].view(-1, rung, slots),
-            words[:, size:2 * size].view(torch.float32).view(-1, rung, slots))
+def frame_rows(frame: torch.Tensor, layout: WireLayout, header: WorkHeader) -> torch.Tensor:
+    """The valid rows of a work frame after its header."""
+    return frame[layout.header_rows:layout.header_rows + header.rows]
 
 
-def unpack_work(frame: torch.Tensor, layout: WireLayout, header: WorkHeader) -> FFNPayload:
-    """A received work frame [work_rows, H] of ``header``: its valid rows and combine map."""
-    start = layout.rows_start(header.tokens)
-    indices, weights = combine_maps(frame.unsqueeze(0), layout, header.tokens)
-    return FFNPayload(rows=frame[start:start + header.rows], routed_counts=header.routed_counts,
-                      shared_prefix=header.shared_prefix, shared_extra=header.shared_extra,
-                      combine_rows=indices[0, :header.served], combine_weights=weights[0, :header.served])
-
-
-def check_combine_map(payload: FFNPayload, *, source: int) -> None:
-    """A host-side payload's map checked before use (an accelerator's is masked instead: reading
-    it here would sync the device): every index -1 or one of the rank's expert outputs."""
-    outputs = payload.routed_rows + payload.shared_rows
-    bad = (payload.combine_rows < -1) | (payload.combine_rows >= outputs)
-    if bool(bad.any()):
-        served, slot = (int(i) for i in bad.nonzero()[0])
-        raise PayloadError(f"work from Attention rank {source}: combine map entry (token {served}, slot {slot}) must "
-                           f"be -1 or an expert output index in [0, {outputs}) (got "
-                           f"{int(payload.combine_rows[served, slot])})")
+def unpack_work(frame: torch.Tensor, layout: WireLayout, *, source: int) -> tuple[WorkHeader, torch.Tensor]:
+    """A received work frame [work_rows, H]: its header (read on the host) and its valid rows."""
+    header = read_work_header(frame, layout, source=source)
+    return header, frame_rows(frame, layout, header)
 
 
 class StepCounter:
@@ -319,13 +275,6 @@ class FFNPayload:
     routed_counts: tuple[int, ...]
     shared_prefix: tuple[int, ...]
     shared_extra: int
-    # Per served token: indices into the rank's expert outputs and their weights (wire.py).
-    combine_rows: torch.Tensor | None = None
-    combine_weights: torch.Tensor | None = None
-
-    @property
-    def served(self) -> int:
-        return 0 if self.combine_rows is None else self.combine_rows.shape[0]
 
     @property
     def routed_rows(self) -> int:

@@ -18,8 +18,7 @@ from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
 from afd_shared_experts.model import load_attention_weights, load_ffn_weights
 from afd_shared_experts.moe_spec import GATE_SIGMOID_GROUPED, MoESpec, load_spec
 from afd_shared_experts.tp import shard_tokens
-from afd_shared_experts.wire import (CapacityError, DispatchTicket, FFNPayload, WireLayout, WorkItem, read_work_header,
-                                    unpack_work)
+from afd_shared_experts.wire import CapacityError, DispatchTicket, FFNPayload, WireLayout, WorkItem, unpack_work
 from test_plugin_partition import routing
 
 VARIANTS = [("ffn", "affinity"), ("ffn", "contiguous"), ("attention", "affinity")]
@@ -187,8 +186,8 @@ class LabelledExperts:
 def test_frames_carry_what_the_ffn_side_needs_and_replies_land_where_the_combine_reads(case):
     """Every real token's shared work goes to exactly one FFN rank; under affinity that rank
     already receives the token and no extra row is sent. The FFN side reads its rows from the
-    frame header alone, the FFN runtime answers each token it serves with its experts' weighted
-    sum (one row per token), and the combine adds those: out = sum_k w_k x (id_k + 1) + 1000 x."""
+    frame header alone, the FFN runtime answers them, and the combine puts every expert's
+    answer on its own (token, slot): out = sum_k w_k x (id_k + 1) + 1000 x."""
     ids, weights, real, ffn, per_rank, partition = case
     hidden = 4
     x = torch.arange(ids.shape[0] * hidden, dtype=torch.float32).reshape(-1, hidden) / 7
@@ -198,9 +197,7 @@ def test_frames_carry_what_the_ffn_side_needs_and_replies_land_where_the_combine
 
     def ffn_side(frames):
         for f in range(ffn):
-            header = read_work_header(frames.work[f], layout, source=0)
-            payload = unpack_work(frames.work[f], layout, header)
-            rows = payload.rows
+            header, rows = unpack_work(frames.work[f], layout, source=0)
             # Routed rows: real tokens' hidden states, grouped by local expert.
             experts_of_rows = torch.repeat_interleave(torch.arange(per_rank) + f * per_rank,
                                                       torch.tensor(header.routed_counts))
@@ -219,10 +216,10 @@ def test_frames_carry_what_the_ffn_side_needs_and_replies_land_where_the_combine
             for token in shared_tokens:
                 assert token not in shared_rank_of
                 shared_rank_of[token] = f
-            served = set(tokens) | set(shared_tokens)
-            assert header.served == payload.served == len(served)  # one reply row per token served here
-            reply = FFNRuntime(None, {0: LabelledExperts(f, per_rank)}).reply(
-                WorkItem(source=0, layer=0, stage=0, payload=payload))
+            item = WorkItem(source=0, layer=0, stage=0, payload=FFNPayload(
+                rows=rows, routed_counts=header.routed_counts, shared_prefix=header.shared_prefix,
+                shared_extra=header.shared_extra))
+            reply = FFNRuntime(None, {0: LabelledExperts(f, per_rank)}).process(item)[0]
             frames.reply[f, :reply.shape[0]] = reply
 
     remote = RemoteMoE(spec=spec, layer=0, connector=LoopbackConnector(layout, "cpu", ffn_side), num_ffn_ranks=ffn,

@@ -55,9 +55,8 @@ def test_padding_rows_are_never_dispatched(checkpoints):
     expected = oracle_outputs(model_dir, x, "float32", [layer])[layer]
     assert_matches_oracle({layer: out[:5]}, {layer: expected}, "float32")
     assert torch.equal(out[5:], torch.zeros(3, spec.hidden_size))
-    # The staged plane sends each frame's header, combine map and valid rows: the 5 real tokens'
-    # top-k rows.
-    assert sent == (2 * layout.rows_start(5) + 5 * spec.top_k) * spec.hidden_size * 4
+    # The staged plane sends each frame's header and valid rows: the 5 real tokens' top-k rows.
+    assert sent == (2 * layout.header_rows + 5 * spec.top_k) * spec.hidden_size * 4
 
 
 @contextmanager
@@ -105,11 +104,11 @@ def test_replies_must_follow_each_attention_ranks_dispatch_order(checkpoints):
     pendings = [remotes[layer].dispatch(x, *route(spec, weights[layer].gate, x)) for layer in (first, second)]
     try:
         items = [ffn.receive_work(timeout=10) for _ in range(2)]
-        replies = [runtime.reply(item) for item in items]
+        replies = [runtime.process(item)[0] for item in items]
         with pytest.raises(PairingError, match=rf"for layer {second} stage 0, but its oldest unanswered work item is "
                                                rf"layer {first} stage 0"):
             ffn.send_reply(items[1], replies[1])
-        with pytest.raises(PayloadError, match=r"reply rows shape \(3, \d+\) must be \(4, \d+\)"):
+        with pytest.raises(PayloadError, match=r"reply rows shape \(3, \d+\) must be \(\d+, \d+\)"):
             ffn.send_reply(items[0], replies[0][:3])
         for item, reply in zip(items, replies):
             ffn.send_reply(item, reply)
@@ -387,7 +386,7 @@ def test_both_ends_count_the_same_steps(checkpoints):
                 for _ in pendings:
                     item = ffn.receive_work(timeout=10)
                     received.append((item.step, item.layer, item.stage))
-                    ffn.send_reply(item, runtime.reply(item))
+                    ffn.send_reply(item, runtime.process(item)[0])
                 [remote.combine(p) for p in pendings]
     finally:
         attention.close()

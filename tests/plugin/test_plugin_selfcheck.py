@@ -85,20 +85,20 @@ def test_selfcheck_matches_oracle(tmp_path, checkpoints, model, args, data_plane
     placement = spec.placement(args[args.index("--placement") + 1])  # 'none' without shared experts
     shared_total = sum(report["shared_tokens_per_ffn_rank"])
     assert shared_total == (7 * steps * len(spec.moe_layers) if placement == "ffn" else 0)
-    # Work bytes: on the direct plane each frame's header and the map and rows message sized for
-    # the Attention rank's token count; on staged each frame's header, map and valid rows: every
-    # token's top-k rows, plus one extra row per token under the contiguous partition (affinity
-    # sends no extra row for the shared expert).
+    # Work bytes: on the direct plane each frame's header and the rows message sized for the
+    # Attention rank's token count; on staged each frame's header and valid rows: every token's
+    # top-k rows, plus one extra row per token under the contiguous partition (affinity sends no
+    # extra row for the shared expert).
     attention_ranks = int(args[args.index("--attention-ranks") + 1])
     shares = [hi - lo for lo, hi in (token_range(a, 7, attention_ranks) for a in range(attention_ranks))]
     layout = WireLayout(hidden_size=spec.hidden_size, dtype=DTYPES[dtype], local_experts=spec.local_experts(ffn_ranks),
                         num_ffn_ranks=ffn_ranks, top_k=spec.top_k, max_tokens=max(shares),
                         shared="contiguous" if "contiguous" in args else "affinity" if placement == "ffn" else "none")
     dispatches = steps * len(spec.moe_layers) * ffn_ranks
+    frames = dispatches * attention_ranks
     rows = sum(dispatches * (layout.header_rows + layout.rows_message_rows(t)) for t in shares) \
         if data_plane == "direct" else \
-        sum(dispatches * layout.rows_start(t) for t in shares) + \
-        steps * len(spec.moe_layers) * 7 * (spec.top_k + ("contiguous" in args))
+        frames * layout.header_rows + steps * len(spec.moe_layers) * 7 * (spec.top_k + ("contiguous" in args))
     assert report["bytes_by_kind"]["work"] == rows * spec.hidden_size * layout.row_bytes_per_element
     assert len(report["ffn_parameter_bytes"]) == ffn_ranks
 

@@ -111,8 +111,8 @@ def test_afd_greedy_ids_equal_plain_vllm(runs, placement):
 
 @pytest.mark.parametrize("placement", ["ffn", "attention"])
 def test_afd_logprobs_equal_plain_vllm_up_to_float32_rounding(runs, placement):
-    """Not bit for bit: AFD sums a token's expert rows on the FFN ranks and their partial sums in
-    the Attention side's combine, plain vLLM inside its fused MoE kernel, in another order (docs/benchmarks.md measured differences up to
+    """Not bit for bit: AFD sums a token's expert rows in the Attention side's combine, plain vLLM
+    inside its fused MoE kernel, in another order (docs/benchmarks.md measured differences up to
     3e-6 on these checkpoints). A wrong routing weight, scale or shared-expert gate moves them by
     orders of magnitude more, also where the greedy ids happen to agree."""
     plain, afd = runs["plain"]["logprobs"], runs[placement]["logprobs"]
