@@ -4,31 +4,30 @@
 (1 Attention rank + 2 FFN server processes) on a tiny DeepSeek-V2, and placement 'ffn' with the
 FFN servers' torch expert backend instead of vLLM's kernels.
 
---suite serve: `vllm serve` as a user starts it (vLLM's default compilation unless --eager), on
-a DeepSeek-V3-style checkpoint (hidden 512, 4 layers: one dense, three MoE with 8 routed experts
-of intermediate 256, top-2, one shared expert): plain vLLM on both cores, then AFD with the
-Attention engine core pinned to core 0 and one FFN server (1 rank) to core 1, one thread each,
-with 1 stage and with the default 2 stages (the plugin's minimum step sizes in force). In every
-configuration the `vllm serve` front end (HTTP, tokenizer, detokenizer) may run on both cores,
-as plain vLLM's does; --frontend-on-attention-core adds AFD rows with the front end pinned to
-core 0 beside the engine core, the layout of earlier runs. For each
-concurrency (--concurrency, default 8 and 64) every configuration gets that many requests at
-once, --repeats times, and reports its best output tokens/s; --rounds repeats the whole cycle
-of configurations (the best of all rounds counts), so a change in the machine's load hits them
-all; the ratios are also printed per round, as their median and spread over the rounds. Printed: tokens/s per configuration and the ratios S=2/S=1 and AFD/plain; and, from the
-kernel's CPU accounting of each process tree during the best load (no profiler, nothing
-perturbed), how busy AFD's Attention engine core and FFN server were (CPU s / wall s, 1 = its core
-all the time), the Attention engine's CPU per load at S=2 against S=1 (what splitting a step costs
-it), and what a perfect pipeline could reach: an AFD load's wall cannot fall below its
-Attention engine's CPU time on its one core, so S=1's wall / S=2's Attention CPU bounds S=2 /
-S=1, and plain vLLM's wall / the least Attention CPU bounds AFD / plain. With --trace-waits the
-AFD engines write stage traces, and it prints where the Attention engine waited for replies:
-for each step's last one (its last MoE layer's last stage: after that dispatch the step has
-nothing left to compute but combines, so the wait is the FFN's pass for it, which no schedule of
-the step's micro-batches overlaps) and for the others, and the S=2 / S=1 bound with S=2's waits
-for those added to its Attention CPU. With
---split-every-step, also 2 stages with every step split whatever its size: its ratio to 1 stage
-per concurrency is where splitting starts to pay (the plugin's minimum step sizes).
+--suite serve: `vllm serve` as a user starts it (vLLM's default compilation unless --eager), on a
+DeepSeek-V3-style checkpoint (hidden 512, 4 layers: one dense, three MoE with 8 routed experts of
+intermediate 256, top-2, one shared expert): plain vLLM on both cores, then AFD with the Attention
+engine core pinned to core 0 and one FFN server (1 rank) to core 1, one thread each, with 1 stage
+and with the default 2 stages (the plugin's minimum step sizes in force). In every configuration
+the `vllm serve` front end (HTTP, tokenizer, detokenizer) may run on both cores, as plain vLLM's
+does; --frontend-on-attention-core adds AFD rows with the front end pinned to core 0 beside the
+engine core, the layout of earlier runs. For each concurrency (--concurrency, default 8 and 64)
+every configuration gets that many requests at once, --repeats times, and reports its best output
+tokens/s; --rounds repeats the whole cycle of configurations (the best of all rounds counts, and
+the ratios within each round give a median and spread), so a change in the machine's load hits them
+all. Printed: tokens/s per configuration and the ratios S=2/S=1 and AFD/plain; and, from the
+kernel's CPU accounting of each process tree during the best load (no profiler, nothing perturbed),
+how busy AFD's Attention engine core and FFN server were (CPU s / wall s, 1 = its core all the
+time), the Attention engine's CPU per load at S=2 against S=1 (what splitting a step costs it), and
+what a perfect pipeline could reach: an AFD load's wall cannot fall below its Attention engine's
+CPU time on its one core, so S=1's wall / S=2's Attention CPU bounds S=2 / S=1, and plain vLLM's
+wall / the least Attention CPU bounds AFD / plain. With --trace-waits the AFD engines write stage
+traces, and it prints where the Attention engine waited for replies: for each step's last one (its
+last MoE layer's last stage: after that dispatch the step has nothing left to compute but combines,
+so the wait is the FFN's pass for it, which no schedule of the step's micro-batches overlaps) and
+for the others, and the S=2 / S=1 bound with S=2's waits for those added to its Attention CPU. With
+--split-every-step, also 2 stages with every step split whatever its size: its ratio to 1 stage per
+concurrency is where splitting starts to pay (the plugin's minimum step sizes).
 
 --suite stages: plain vLLM, then AFD with 1, 2 and 3 micro-batch stages under each placement,
 the Attention process on core 0 and one FFN server (1 rank) on core 1, one thread each, on a
@@ -330,8 +329,7 @@ def serve_suite(args, root: Path) -> int:
     if args.frontend_on_attention_core:
         configurations += [("AFD 1 stage, front end core 0", 1, None, ATTENTION_CORE),
                            ("AFD 2 stages, front end core 0", 2, None, ATTENTION_CORE)]
-    best: dict[str, dict[int, Load]] = {}
-    per_round: dict[str, list[dict[int, float]]] = {}  # each round's best tokens/s per concurrency
+    best, per_round = {}, {}  # per configuration: its best load, and each round's best tokens/s, per concurrency
     for round_ in range(args.rounds):
         for index, (name, stages, min_split, frontend_cores) in enumerate(configurations):
             measured = serve_configuration(args, model, root, f"c{index}-r{round_}", stages, min_split,
@@ -358,13 +356,9 @@ def serve_suite(args, root: Path) -> int:
                       f"S=2 {two / pinned_two:.2f}")
         print(f"{n} requests: S=2 / S=1 = {two / one:.2f}, AFD S=2 / plain = {two / plain:.2f}, "
               f"AFD S=1 / plain = {one / plain:.2f}{split}{pinned}")
-    print(f"Ratios within each round (its best of {args.repeats} per configuration): median (min-max) of "
-          f"{args.rounds} round(s)")
-    (plain_name, *_), (one_name, *_), (two_name, *_) = configurations[:3]
-    for n in args.concurrency:
-        print(f"{n} requests: S=2 / S=1 = {round_ratios(per_round, two_name, one_name, n)}, AFD S=2 / plain = "
-              f"{round_ratios(per_round, two_name, plain_name, n)}, AFD S=1 / plain = "
-              f"{round_ratios(per_round, one_name, plain_name, n)}")
+    print(f"Ratios within each round (its best of {args.repeats}): median (min-max) of {args.rounds} round(s)",
+          *(f"{n} requests: " + round_ratios(per_round, [c[0] for c in configurations[:3]], n)
+            for n in args.concurrency), sep="\n")
     print("CPU of the best loads (kernel accounting): busy = CPU s / wall s of the Attention engine core (core 0) "
           "and the FFN server (core 1)")
     for n in args.concurrency:
@@ -379,11 +373,13 @@ def serve_suite(args, root: Path) -> int:
     return 0
 
 
-def round_ratios(per_round: dict[str, list[dict[int, float]]], numerator: str, denominator: str, n: int) -> str:
-    """Median (min-max) over rounds of one configuration's tokens/s over another's at concurrency
-    ``n``, each ratio within one round (the two measured minutes apart, not an hour)."""
-    ratios = sorted(a[n] / b[n] for a, b in zip(per_round[numerator], per_round[denominator]))
-    return f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+def round_ratios(per_round: dict[str, list[dict[int, float]]], names: list[str], n: int) -> str:
+    """S=2 / S=1 and AFD / plain at ``n`` requests (names: plain, S=1, S=2), each within a round: median (min-max)."""
+    (plain, one, two), parts = names, []
+    for label, a, b in (("S=2 / S=1", two, one), ("AFD S=2 / plain", two, plain), ("AFD S=1 / plain", one, plain)):
+        values = sorted(x[n] / y[n] for x, y in zip(per_round[a], per_round[b]))
+        parts.append(f"{label} = {statistics.median(values):.2f} ({values[0]:.2f}-{values[-1]:.2f})")
+    return ", ".join(parts)
 
 
 def cpu_reading(plain: Load, one: Load, two: Load) -> str:

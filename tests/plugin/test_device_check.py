@@ -140,8 +140,10 @@ def test_serve_benchmark_bounds_afd_by_its_attention_engines_cpu(e2e):
 def test_serve_benchmark_reports_each_rounds_ratio_as_median_and_spread(e2e):
     """Each ratio within one round, then their median and range: a round slowed throughout
     moves both of its configurations, not the ratio."""
-    per_round = {"S=2": [{64: 130.0}, {64: 60.0}, {64: 120.0}], "S=1": [{64: 100.0}, {64: 50.0}, {64: 100.0}]}
-    assert e2e.round_ratios(per_round, "S=2", "S=1", 64) == "1.20 (1.20-1.30)"
+    per_round = {"S=2": [{64: 130.0}, {64: 60.0}, {64: 120.0}], "S=1": [{64: 100.0}, {64: 50.0}, {64: 100.0}],
+                 "plain": [{64: 200.0}, {64: 200.0}, {64: 200.0}]}
+    assert e2e.round_ratios(per_round, ["plain", "S=1", "S=2"], 64) == (
+        "S=2 / S=1 = 1.20 (1.20-1.30), AFD S=2 / plain = 0.60 (0.30-0.65), AFD S=1 / plain = 0.50 (0.25-0.50)")
 
 
 def test_stages_benchmark_says_when_the_scheduler_held_requests_back(e2e):
