@@ -115,8 +115,9 @@ class PairedTransport:
     stream (``GroupedTransport``): a post is one group per peer, on that pair's communicator.
     With one communicator for the whole link an FFN rank's receives from every Attention rank
     would run in one stream's order, so a receive waiting for one Attention rank would hold up
-    what another one already sent (a hang once receives are posted in answer to headers); a
-    pair can also be formed again on its own. Untested on a device, like ``GroupedTransport``."""
+    what another one already sent (a hang once receives are posted in answer to headers). Pairs
+    are separate so that one could later be formed again without the others (not built yet).
+    Untested on a device, like ``GroupedTransport``."""
 
     on_stream = True
 

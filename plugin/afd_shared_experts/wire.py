@@ -243,12 +243,6 @@ def frame_rows(frame: torch.Tensor, layout: WireLayout, header: WorkHeader) -> t
     return frame[layout.header_rows:layout.header_rows + header.rows]
 
 
-def unpack_work(frame: torch.Tensor, layout: WireLayout, *, source: int) -> tuple[WorkHeader, torch.Tensor]:
-    """A received work frame [work_rows, H]: its header (read on the host) and its valid rows."""
-    header = read_work_header(frame, layout, source=source)
-    return header, frame_rows(frame, layout, header)
-
-
 class StepCounter:
     """Counts the forward steps of one Attention rank from its dispatches: MoE layers run in
     increasing order, so a stage-0 dispatch of a layer not above the previous stage 0's starts

@@ -18,7 +18,8 @@ from afd_shared_experts.ffn_runtime import FFNRuntime, torch_experts
 from afd_shared_experts.model import load_attention_weights, load_ffn_weights
 from afd_shared_experts.moe_spec import GATE_SIGMOID_GROUPED, MoESpec, load_spec
 from afd_shared_experts.tp import shard_tokens
-from afd_shared_experts.wire import CapacityError, DispatchTicket, FFNPayload, WireLayout, WorkItem, unpack_work
+from afd_shared_experts.wire import (CapacityError, DispatchTicket, FFNPayload, WireLayout, WorkItem, frame_rows,
+                                    read_work_header)
 from test_plugin_partition import routing
 
 VARIANTS = [("ffn", "affinity"), ("ffn", "contiguous"), ("attention", "affinity")]
@@ -197,7 +198,8 @@ def test_frames_carry_what_the_ffn_side_needs_and_replies_land_where_the_combine
 
     def ffn_side(frames):
         for f in range(ffn):
-            header, rows = unpack_work(frames.work[f], layout, source=0)
+            header = read_work_header(frames.work[f], layout, source=0)
+            rows = frame_rows(frames.work[f], layout, header)
             # Routed rows: real tokens' hidden states, grouped by local expert.
             experts_of_rows = torch.repeat_interleave(torch.arange(per_rank) + f * per_rank,
                                                       torch.tensor(header.routed_counts))

@@ -24,7 +24,6 @@ def test_rotary_patch_makes_3d_rotation_exact_where_the_kernel_is_not():
     assert result["patched_error"] < 1e-5 and result["patched_batch_dependence"] == 0.0, result
 
 
-
 def test_patches_are_in_force_in_afd_engines_only(tmp_path):
     """The plugin alone (no test-bed plugin, which patches the plain references): a plain engine's
     worker keeps vLLM's kernels, an AFD engine's worker runs the patched ones."""
