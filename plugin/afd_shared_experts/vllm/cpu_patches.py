@@ -14,9 +14,8 @@
   pass 3-D views whenever their config has no ``rope_scaling``. The fix hands the kernel the
   2-D layout it handles (a copy when the view cannot be flattened) and writes the result back.
 
-Applied only for the vLLM versions listed here, on the CPU platform, and only to AFD engines: by
-the model wrappers when an engine has an afd block, and by the FFN server; a plain engine's
-process keeps vLLM's kernels. Remove each when the pin moves past it: the SiLU patch at
+Applied only for the vLLM versions listed here, on the CPU platform, in every vLLM process the
+plugin loads into (plain models too). Remove each when the pin moves past it: the SiLU patch at
 vLLM 0.27.1; the rotary patch when the pinned release's CPU kernel rotates 3-D input like 2-D
 (the test that shows the kernel's error then fails and says so).
 """
