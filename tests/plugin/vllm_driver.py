@@ -14,6 +14,7 @@ RESULT: {"graph_mode": {"enforce_eager", "compilation_mode", "cudagraph_mode"} o
          monotonic clock, as stage traces record), "parameter_bytes": [per worker],
          "experts_classes": [per worker: class names of the MoE layers' experts],
          "fused_moe_registered": [per worker: the out-of-tree FusedMoE class in force after the build],
+         "cpu_patched": [per worker: whether the plugin's CPU rotary patch is in force],
          "remote_tensors_read": [per worker: remote-expert tensors read from disk, AFD runs only],
          "logprobs" (when asked): [per prompt: [per position: {token id (str): logprob}, the chosen token
          and the top k]]}
@@ -34,6 +35,12 @@ def fused_moe_registered(model) -> str | None:
 
     registered = op_registry_oot.get("FusedMoE")
     return None if registered is None else registered.__name__
+
+
+def cpu_patched(model) -> bool:
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    return getattr(RotaryEmbedding.forward_cpu, "afd_patched", False)
 
 
 def graph_mode(vllm_config) -> dict:
@@ -80,7 +87,8 @@ def main() -> None:
               "generate_window_ns": window,
               "parameter_bytes": llm.apply_model(model_parameter_bytes),
               "experts_classes": llm.apply_model(experts_classes),
-              "fused_moe_registered": llm.apply_model(fused_moe_registered)}
+              "fused_moe_registered": llm.apply_model(fused_moe_registered),
+              "cpu_patched": llm.apply_model(cpu_patched)}
     if request.get("logprobs"):
         result["logprobs"] = [[{str(token): entry.logprob for token, entry in position.items()}
                                for position in o.outputs[0].logprobs] for o in outputs]

@@ -20,6 +20,7 @@ from pathlib import Path
 from afd_devcluster import free_port
 from afd_devcluster.ports import describe_bind_failure, port_span_base
 from afd_shared_experts.trace import TRACE_DIR_ENV, read_traces
+from afd_shared_experts.vllm.cpu_patches import CPU_PATCHES_ENV
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
@@ -28,6 +29,9 @@ DRIVER = HERE / "vllm_driver.py"
 # Fixed prompts (token ids), long enough to exercise prefill and several decode steps.
 PROMPTS = [[5, 17, 33, 9, 64, 21], [7, 7, 90, 14], [100, 3, 55, 41, 12, 88, 23, 61], [30]]
 MAX_TOKENS = 12
+# A plain engine AFD is compared with runs the plugin's CPU kernel fixes too, as AFD engines do
+# by default (docs/compat.md): the same corrected kernels on both sides.
+PLAIN_REFERENCE_ENV = {CPU_PATCHES_ENV: "all"}
 
 
 def vllm_python() -> str:
@@ -163,8 +167,9 @@ def start_vllm_serve(model: Path, api_port: int, logdir: Path, name: str, *, blo
     argv += list(extra_args)
     metrics_dir = logdir / f"{name}-prometheus"
     metrics_dir.mkdir()
-    return Proc(argv, logdir / f"{name}.log",
-                base_env(PROMETHEUS_MULTIPROC_DIR=str(metrics_dir), **trace_env(trace_dir), **(env or {})), cpus)
+    reference = PLAIN_REFERENCE_ENV if block is None else {}
+    return Proc(argv, logdir / f"{name}.log", base_env(PROMETHEUS_MULTIPROC_DIR=str(metrics_dir),
+                                                       **{**reference, **trace_env(trace_dir), **(env or {})}), cpus)
 
 
 def trace_env(trace_dir: Path | None) -> dict[str, str]:
@@ -223,13 +228,16 @@ def wait_until(predicate, timeout: float, what: str, procs: list[Proc] = ()) -> 
 def run_driver(request: dict, logdir: Path, name: str, timeout: float = 400, trace_dir: Path | None = None,
                cpus: set[int] | None = None, env: dict[str, str] | None = None) -> dict:
     """Run vllm_driver.py (offline vllm.LLM) under the vLLM venv, on `cpus` (default any), with
-    `env` over the base environment; returns its JSON result."""
+    `env` over the base environment (and a plain reference's, without an afd block); returns its
+    JSON result."""
+    reference = {} if "additional_config" in request else PLAIN_REFERENCE_ENV
     req_path, out_path = logdir / f"{name}.request.json", logdir / f"{name}.result.json"
     req_path.write_text(json.dumps(request))
     log = logdir / f"{name}.log"
     with open(log, "wb") as handle:
         proc = subprocess.run([vllm_python(), str(DRIVER), str(req_path), str(out_path)], stdout=handle,
-                              stderr=subprocess.STDOUT, env=base_env(**trace_env(trace_dir), **(env or {})),
+                              stderr=subprocess.STDOUT,
+                              env=base_env(**{**reference, **trace_env(trace_dir), **(env or {})}),
                               cwd=REPO_ROOT, timeout=timeout, preexec_fn=pinned_to(cpus))
     if proc.returncode != 0:
         raise AssertionError(f"driver {name} failed ({proc.returncode}):\n{log.read_text(errors='replace')[-6000:]}")

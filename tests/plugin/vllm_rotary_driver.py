@@ -26,7 +26,7 @@ def main() -> None:
     from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
-    from afd_shared_experts.vllm.plugin import register
+    from afd_shared_experts.vllm.cpu_patches import apply_cpu_patches
 
     torch.manual_seed(0)
     tokens, heads, nope, rope_dim = 10, 2, 32, 32
@@ -38,7 +38,7 @@ def main() -> None:
         q, latent = q_rows[:count].clone(), latent_rows[:count].clone()
         return q, latent, q[..., nope:], latent[..., 32:]
 
-    register()
+    apply_cpu_patches()
     with set_current_vllm_config(VllmConfig()):
         rope = get_rope(rope_dim, max_position=64, is_neox_style=False, dtype=torch.float32)
     cache = rope.cos_sin_cache

@@ -1,25 +1,23 @@
 """An AFDDeployment served for real on the real node (docs/testbed.md, "Real node"). In order:
 
-1. a tiny DeepSeek-V2 checkpoint on a hostPath; `kubectl apply` of an AFDDeployment with
-   Attention DP 2 over two pods and 2 FFN ranks in one pod (shared experts on the FFN side, the
-   operator's default of 2 micro-batch stages):
-   the operator (a pod, installed by the chart) creates the pods, kubelet runs them in the
-   built runtime image, they turn Ready through their own probes, and a completion sent to
-   the API Service's ClusterIP (kube-proxy) equals plain vLLM's (same image, same checkpoint),
-   alone and four at once;
-   a second AFDDeployment whose name extends the first's serves a tiny Qwen3-MoE (no shared
-   expert: its FFN pod reports the placement as not applicable) beside it in the namespace,
-   answering like plain vLLM on that checkpoint, each Service routing only to its own head, and
-   deleting it leaves the first untouched;
-2. a bounded load generator (a completion every 5 s, model-list requests 4 times a second
-   between them) runs against the Service while the AFDDeployment rolls to a new
-   topology (Attention DP 2 -> 1, FFN 2 ranks in one pod -> 4 over two pods), then to a new image tag
-   with the operator pod deleted mid-rollout: no request fails, no connector world mixes revisions;
-3. faults under load: an FFN container killed, an Attention pod deleted: the instance is
-   recreated and serving returns; every failed request is counted and reported;
-4. Prometheus (Debian's), discovering targets from the real API, scrapes the operator, the FFN
-   pods and the Attention head; the chart's dashboard queries return data (last before the
-   teardown: its scrapes would load the 2 cores during the rolls);
+1. a tiny DeepSeek-V2 checkpoint on a hostPath; `kubectl apply` of an AFDDeployment with Attention DP 2
+   over two pods and 2 FFN ranks in one pod (shared experts on the FFN side, the operator's default of 2
+   micro-batch stages): the operator (a pod, installed by the chart) creates the pods, kubelet runs them
+   in the built runtime image, they turn Ready through their own probes, and a completion sent to the API
+   Service's ClusterIP (kube-proxy) equals plain vLLM's (same image, checkpoint), alone and four at once;
+   a second AFDDeployment whose name extends the first's serves a tiny Qwen3-MoE (no shared expert: its
+   FFN pod reports the placement as not applicable) beside it in the namespace, answering like plain vLLM
+   on that checkpoint, each Service routing only to its own head, and deleting it leaves the first
+   untouched;
+2. a bounded load generator (a completion every 5 s, model-list requests 4 times a second between them)
+   runs against the Service while the AFDDeployment rolls to a new topology (Attention DP 2 -> 1, FFN 2
+   ranks in one pod -> 4 over two pods), then to a new image tag with the operator pod deleted
+   mid-rollout: no request fails, no connector world mixes revisions;
+3. faults under load: an FFN container killed, an Attention pod deleted: the instance is recreated and
+   serving returns; every failed request is counted and reported;
+4. Prometheus (Debian's), discovering targets from the real API, scrapes the operator, the FFN pods and
+   the Attention head; the chart's dashboard queries return data (last before the teardown: its
+   scrapes would load the 2 cores during the rolls);
 5. `kubectl delete`: the operator drains and tears down; no pod, container or Service rule is left.
 """
 from __future__ import annotations
@@ -42,6 +40,7 @@ from afd_devcluster.realnode.scenario import (DEPLOYMENT_LABEL, NODE_DNS_PEERS, 
                                               apply, complete, delete_afd, get_afd, is_ready, models_dir, pods,
                                               wait_serving, write_tiny_checkpoint)
 from afd_devcluster.tools import wait_for
+from afd_shared_experts.vllm.cpu_patches import CPU_PATCHES_ENV
 from serving_watch import (LABEL, NAME, NAMESPACE, READY_TIMEOUT_SECONDS, BackgroundLoop, Load, WorldWatch,
                            mem_available_bytes, meminfo_bytes, namespace_events, survive)
 
@@ -93,8 +92,7 @@ def namespace(real_node: RealNode) -> Iterator[str]:
 
 
 def plain_completion(real_node: RealNode, checkpoint: Path, namespace: str, model_dir: str) -> dict:
-    """Plain `vllm serve` (no afd block) of `model_dir` in the runtime image, as a pod: the
-    reference completion."""
+    """Plain `vllm serve` (no afd block) of `model_dir` in the runtime image, as a pod: the reference completion."""
     pod = {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "plain-vllm", "namespace": namespace},
         "spec": {
@@ -103,9 +101,11 @@ def plain_completion(real_node: RealNode, checkpoint: Path, namespace: str, mode
                 "command": ["vllm", "serve", f"{MOUNT}/{model_dir}", "--served-model-name", NAME,
                             "--port", str(API_PORT), "--dtype", "float32", "--enforce-eager",
                             "--max-model-len", "512", "--max-num-batched-tokens", "512", *KV_CACHE_ARGS],
-                # What the operator renders for a rank of a pod given 100m (planner._cpu_threads_env).
+                # What the operator renders for a rank of a pod given 100m (planner._cpu_threads_env), and
+                # the plugin's CPU kernel fixes, which AFD engines run by default (docs/compat.md).
                 "env": VLLM_ENV + [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"},
-                                   {"name": "OMP_NUM_THREADS", "value": "1"}],
+                                   {"name": "OMP_NUM_THREADS", "value": "1"},
+                                   {"name": CPU_PATCHES_ENV, "value": "all"}],
                 "readinessProbe": {"httpGet": {"path": "/health", "port": API_PORT}, "periodSeconds": 2},
                 "volumeMounts": [{"name": "model", "mountPath": MOUNT, "readOnly": True}],
                 **SMALL}],

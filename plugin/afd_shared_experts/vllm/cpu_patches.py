@@ -14,15 +14,24 @@
   pass 3-D views whenever their config has no ``rope_scaling``. The fix hands the kernel the
   2-D layout it handles (a copy when the view cannot be flattened) and writes the result back.
 
-Applied only for the vLLM versions listed here, on the CPU platform, in every vLLM process the
-plugin loads into (plain models too). Remove each when the pin moves past it: the SiLU patch at
-vLLM 0.27.1; the rotary patch when the pinned release's CPU kernel rotates 3-D input like 2-D
-(the test that shows the kernel's error then fails and says so).
+Applied only for the vLLM versions listed here, on the CPU platform, and by default only to AFD
+engines: by a model wrapper when its engine has an afd block, and by the FFN server. A plain
+engine's process keeps vLLM's kernels unless ``AFD_CPU_PATCHES=all`` asks for them there too (a
+plain reference that AFD's answers are compared with). Remove each when the pin moves past it: the
+SiLU patch at vLLM 0.27.1; the rotary patch when the pinned release's CPU kernel rotates 3-D input
+like 2-D (the test that shows the kernel's error then fails and says so).
 """
 
 from __future__ import annotations
 
+import os
+
 from .compat import installed_vllm_version
+
+# Where the patches apply: "afd" (default) AFD engines only; "all" every vLLM process the plugin
+# is loaded into, plain engines included.
+CPU_PATCHES_ENV = "AFD_CPU_PATCHES"
+CPU_PATCH_SCOPES = ("afd", "all")
 
 # vLLM releases with these kernels (this plugin supports exactly one, compat.SUPPORTED_VLLM_VERSION).
 PATCHED_VLLM_VERSIONS = ("0.23.0",)
@@ -47,6 +56,15 @@ def rotary_in_2d(upstream):
 
     forward_cpu.afd_patched = True
     return forward_cpu
+
+
+def cpu_patch_scope() -> str:
+    """The scope ``AFD_CPU_PATCHES`` asks for ("afd" when unset); anything else is refused."""
+    scope = os.environ.get(CPU_PATCHES_ENV, "").strip() or "afd"
+    if scope not in CPU_PATCH_SCOPES:
+        raise ValueError(f"{CPU_PATCHES_ENV}={scope!r}: must be one of {', '.join(CPU_PATCH_SCOPES)} "
+                         "(afd: AFD engines only, the default; all: plain engines too)")
+    return scope
 
 
 def apply_cpu_patches() -> bool:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from ..model import CheckpointReader, require_even_split
 from ..moe_spec import CheckpointError, MoESpec
 from .compat import SUPPORTED_VLLM_VERSION
+from .cpu_patches import apply_cpu_patches
 
 # (parameter, checkpoint projection, shard) of the merged gate_up projection, as in
 # vLLM's deepseek_v2.py / glm4_moe.py / qwen2_moe.py / qwen3_moe.py load_weights.
@@ -90,6 +91,7 @@ def init_vllm_process(vllm_config, device: torch.device) -> None:
 
     # Resolved first: a missing vllm-ascend fails before anything is initialized.
     ascend = (ascend_module("utils"), ascend_module("ascend_forward_context")) if on_ascend() else None
+    apply_cpu_patches()  # the CPU kernels the experts and shared MLP run (docs/compat.md)
     # A file rendezvous: a world of one needs no port. Removed when the process exits.
     _rendezvous_dir = tempfile.TemporaryDirectory(prefix="afd-ffn-vllm-")
     rendezvous = Path(_rendezvous_dir.name) / "init"

@@ -24,6 +24,7 @@ from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 from ..model import tensor_bytes
 from .experts import AFDFusedMoE, attention_rank, remote_experts_installed
 from .compat import afd_config_of
+from .cpu_patches import apply_cpu_patches
 from .stages import MicroBatchRunner
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ SHARED_MODULES = ("shared_experts", "shared_expert", "shared_expert_gate")
 class _AFDModelMixin:
     def __init__(self, *, vllm_config, prefix: str = ""):
         cfg = afd_config_of(vllm_config)
+        if cfg is not None:
+            apply_cpu_patches()  # before the layers exist (docs/compat.md); plain engines keep vLLM's kernels
         with remote_experts_installed() if cfg is not None else nullcontext():
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.afd_rank = None if cfg is None else attention_rank(vllm_config, cfg)

@@ -7,7 +7,10 @@ block. What it registers is inert without one: the model wrappers (``ModelRegist
 ``afd`` block; the load format ``afd`` (``vllm.loader``) is only used when asked for with
 ``--load-format afd``. The experts layer is not registered here: a wrapper installs it only while it
 builds an AFD model (``vllm.experts.remote_experts_installed``), so the platform plugin's own
-``FusedMoE`` registration (vllm-ascend's) never collides with this plugin. See docs/compat.md.
+``FusedMoE`` registration (vllm-ascend's) never collides with this plugin. Nor are the CPU kernel
+patches (``vllm.cpu_patches``) applied here unless ``AFD_CPU_PATCHES=all`` asks for plain engines
+too: an AFD model applies them when it is built, the FFN server when it sets up vLLM, so a plain
+engine's process is left as vLLM made it. See docs/compat.md.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def register() -> None:
     from vllm.model_executor.model_loader import register_model_loader
 
     from .compat import install_config_hooks
-    from .cpu_patches import apply_cpu_patches
+    from .cpu_patches import apply_cpu_patches, cpu_patch_scope
     from .loader import LOAD_FORMAT, AFDAttentionModelLoader
 
     for arch, target in MODEL_WRAPPERS.items():
@@ -48,6 +51,7 @@ def register() -> None:
     # worker (docs/compat.md).
     install_config_hooks(MODEL_WRAPPERS)
     # vLLM 0.23.0's CPU fused MoE cannot run SiLU without AVX512, and its CPU rotary kernel
-    # mis-rotates 3-D query/key (docs/compat.md); plain models too.
-    apply_cpu_patches()
+    # mis-rotates 3-D query/key (docs/compat.md): plain engines get the fixes only when asked.
+    if cpu_patch_scope() == "all":
+        apply_cpu_patches()
     _registered = True
