@@ -60,11 +60,12 @@ VALUE_SETS = {
                    "--set", "image.tag=dev"],
     "cert-manager+monitoring": ["--set", "webhook.certificate.source=certManager",
                                 "--set", "metrics.serviceMonitor.enabled=true", "--set", "dashboards.enabled=true",
-                                "--set", "webhook.externalURL=https://127.0.0.1:9443"],
+                                "--set", "alerts.enabled=true", "--set", "webhook.externalURL=https://127.0.0.1:9443"],
     "minimal": ["--set", "webhook.enabled=false", "--set", "metrics.service.enabled=false"],
 }
 # Third-party kinds the chart may render: stand-in CRDs so the test apiserver can dry-run them.
 THIRD_PARTY_KINDS = [("monitoring.coreos.com", "ServiceMonitor", "servicemonitors"),
+                     ("monitoring.coreos.com", "PrometheusRule", "prometheusrules"),
                      ("cert-manager.io", "Issuer", "issuers"), ("cert-manager.io", "Certificate", "certificates")]
 
 
@@ -107,7 +108,10 @@ def test_lint_strict(helm: Helm, repo_root: Path) -> None:
     (["--set", "resyncSeconds=0"], "resyncSeconds"),
     (["--set", "webhook.externalURL=http://127.0.0.1:9443"], "externalURL"),
     (["--set", "replicas=2"], "replicas"),
-], ids=["policy", "port", "namespace", "cert-source", "monitor-without-service", "resync", "plain-http", "unknown"])
+    (["--set", "alerts.restartsPerHour=0"], "restartsPerHour"),
+    (["--set", "alerts.instanceNotReadyFor=15 minutes"], "instanceNotReadyFor"),
+], ids=["policy", "port", "namespace", "cert-source", "monitor-without-service", "resync", "plain-http", "unknown",
+        "alert-restarts", "alert-duration"])
 def test_schema_rejects_bad_values(helm: Helm, repo_root: Path, args: list[str], path: str) -> None:
     result = helm("template", RELEASE, str(repo_root / CHART), *args, check=False)
     assert result.returncode != 0
