@@ -96,7 +96,9 @@ def test_a_name_held_by_another_owner_is_a_name_conflict_never_adopted_or_delete
                                           f"(uid {tc_uid}), not by this AFDDeployment")
     after = env.core.read_namespaced_service(instance, env.ns)
     assert after.metadata.owner_references[0].uid == tc_uid and after.spec.selector == held.spec.selector
-    assert any(event.startswith("NameConflict: ") for event in env.events(instance))
+    # The event is written after the condition, by another API call: wait for it like the condition.
+    wait_for(lambda: any(event.startswith("NameConflict: ") for event in env.events(instance)),
+             f"{instance} NameConflict event", CONVERGE_SECONDS)
 
     squatter = "sq"
     env.core.create_namespaced_service(env.ns, {

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from afd_devcluster import free_port
-from afd_devcluster.ports import describe_bind_failure, port_span_base
+from afd_devcluster.ports import PORT_SPAN, describe_bind_failure, port_span_base
 from afd_shared_experts.trace import TRACE_DIR_ENV, read_traces
 from afd_shared_experts.vllm.cpu_patches import CPU_PATCHES_ENV
 
@@ -56,6 +56,20 @@ def install_testbed_plugin() -> None:
                         str(TESTBED_PLUGIN)], check=True, cwd=REPO_ROOT)
 
 
+def vllm_port_span() -> int:
+    """A span of the port plan for one vLLM process (port_span_base), first rid of the CPU
+    shared-memory segments that killed vLLM engines left under its ports: vLLM 0.23 names a
+    tensor-parallel group's segment after its process group's port (``VLLM_DIST_IDENT``,
+    ``cpu_communicator.py``), the plan hands out the same ports run after run, and a new
+    engine on a stale segment's port fails "create shm in SHMManager failed. errno: 17". The
+    span's ports are free, so no live engine owns a segment named after one of them."""
+    base = port_span_base()
+    for port in range(base, base + PORT_SPAN):
+        for stale in Path("/dev/shm").glob(f"{port}-*cpushm*"):
+            stale.unlink(missing_ok=True)
+    return base
+
+
 def base_env(**extra: str) -> dict[str, str]:
     # In-process engine core: LLM.generate queues every prompt before the first step, so the
     # batches (and CPU kernels' blocking) are the same in every run and greedy ids compare exactly.
@@ -70,7 +84,7 @@ def base_env(**extra: str) -> dict[str, str]:
                TORCHDYNAMO_DISABLE="1",
                # Every port vLLM opens for itself (data-parallel master ports, the engine's process
                # group) from a span of the port plan, outside the ephemeral range (afd_devcluster.ports).
-               VLLM_PORT=str(port_span_base()))
+               VLLM_PORT=str(vllm_port_span()))
     env.update(extra)
     return env
 
