@@ -93,3 +93,11 @@ operator/afd_operator/writer.py and handlers/):
   resources: [podgroups]
   verbs: [get, create, delete]
 {{- end -}}
+
+{{/* An alert's labels: its severity and the chart's alerts.alertLabels (templates/alerts.yaml). */}}
+{{- define "afd-operator.alertLabels" -}}
+severity: {{ .severity }}
+{{- with .extra }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
